@@ -1,0 +1,72 @@
+"""GRPO: group-normalised advantages and a token-level policy gradient with truncated
+importance sampling against the behaviour policy.
+
+With one optimizer step per batch, the proximal policy of PPO is the current policy itself,
+so the clipped PPO ratio is 1 at the point the gradient is taken and the off-policy part is
+the behaviour correction: each token's gradient is weighted by
+    w = min(pi_theta(a|s) / mu(a|s), is_cap)        (detached; truncated IS, as in TIS/IMPALA)
+giving the surrogate  L = -sum_t w_t * A * log pi_theta(a_t|s_t) / #tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-4, normalize_std: bool = True
+) -> torch.Tensor:
+    """(r - mean_group) / (std_group + eps) per sample; `group_index` holds 0..G-1.
+    std is the unbiased sample std (a group of one gets advantage 0)."""
+    n_groups = int(group_index.max()) + 1 if len(group_index) else 0
+    ones = torch.ones_like(rewards)
+    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group_index, ones)
+    total = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group_index, rewards)
+    mean = total / count
+    centred = rewards - mean[group_index]
+    if not normalize_std:
+        return centred
+    sq = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2)
+    std = torch.sqrt(sq / (count - 1).clamp(min=1))
+    return centred / (std[group_index] + eps)
+
+
+def group_indices(group_ids: Sequence[str]) -> torch.Tensor:
+    """Map group id strings to 0..G-1 in order of first appearance."""
+    index: dict[str, int] = {}
+    return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
+
+
+@dataclass
+class PolicyLossOutput:
+    loss: torch.Tensor
+    is_weight_mean: float
+    is_truncated_frac: float  # fraction of tokens whose IS weight hit the cap
+    log_ratio_abs_mean: float  # mean |log pi_theta - log mu|, a staleness/mismatch gauge
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    is_cap: float,
+) -> PolicyLossOutput:
+    """logprobs, behaviour_logprobs, mask: [B, T]; advantages: [B]. Token-level mean."""
+    mask = mask.to(logprobs.dtype)
+    n_tokens = mask.sum().clamp(min=1.0)
+    log_ratio = (logprobs.detach() - behaviour_logprobs) * mask
+    weight = torch.exp(log_ratio).clamp(max=is_cap)
+    surrogate = weight * advantages[:, None] * logprobs
+    loss = -(surrogate * mask).sum() / n_tokens
+    with torch.no_grad():
+        truncated = ((torch.exp(log_ratio) >= is_cap).to(mask.dtype) * mask).sum() / n_tokens
+        return PolicyLossOutput(
+            loss=loss,
+            is_weight_mean=float((weight * mask).sum() / n_tokens),
+            is_truncated_frac=float(truncated),
+            log_ratio_abs_mean=float(log_ratio.abs().sum() / n_tokens),
+        )

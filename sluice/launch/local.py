@@ -1,0 +1,240 @@
+"""`sluice run CONFIG`: every role of a run as separate processes on this machine.
+
+The launcher resolves what the config leaves open (run directory, free ports), builds the
+model directory once, writes `<run dir>/config.yaml`, and starts buffer shards, the learner
+and the rollout services with `python -m sluice.cli <role> <run dir>/config.yaml`. Each child
+runs in its own session (a terminal Ctrl-C reaches only the launcher, which then stops the
+children in order) and gets SIGTERM if the launcher dies. The run ends when the learner
+exits: 0 means done; any role that dies unexpectedly fails the run loudly with its log tail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sluice.config.loader import dump_config
+from sluice.config.run import RunConfig
+from sluice.launch.role import EXIT_FAILED, EXIT_OK
+from sluice.metrics import JsonlLog
+from sluice.modeling import materialize_model_dir
+from sluice.net import free_port
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    exits_with_run: bool  # True: exits 0 on its own when the learner is done (rollouts)
+
+
+@dataclass
+class Tail:
+    """Incremental reader of a JSONL metrics file."""
+
+    path: Path
+    offset: int = 0
+    last: dict = field(default_factory=dict)
+
+    def poll(self) -> list[dict]:
+        import json
+
+        if not self.path.is_file():
+            return []
+        with self.path.open() as fh:
+            fh.seek(self.offset)
+            chunk = fh.read()
+        complete = chunk[: chunk.rfind("\n") + 1]
+        self.offset += len(complete.encode())
+        records = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        if records:
+            self.last = records[-1]
+        return records
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Fill in the run directory and free ports; the result is what every child reads."""
+    cfg = cfg.model_copy(deep=True)
+    if cfg.run.dir is None:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        cfg.run.dir = str(Path("runs") / f"{cfg.run.name}-{stamp}")
+    cfg.run.dir = str(Path(cfg.run.dir).resolve())
+    b = cfg.buffer
+    if not b.endpoints and b.base_port == 0:
+        b.endpoints = [f"tcp://{b.host}:{free_port(b.host)}" for _ in range(b.shards)]
+    if cfg.weight_sync.master_port == 0:
+        cfg.weight_sync.master_port = free_port(cfg.weight_sync.master_addr)
+    return cfg
+
+
+class LocalLauncher:
+    def __init__(self, cfg: RunConfig, console: Console | None = None, show_progress: bool = True) -> None:
+        self.cfg = resolve(cfg)
+        self.run_dir = self.cfg.run_dir
+        self.console = console or Console(stderr=True)
+        self.show_progress = show_progress
+        self.children: list[Child] = []
+        self.stop = threading.Event()
+
+    def prepare(self) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        materialize_model_dir(self.cfg.model, self.run_dir)
+        config_path = self.run_dir / "config.yaml"
+        dump_config(self.cfg, config_path)
+        return config_path
+
+    def _spawn(self, name: str, args: list[str], config_path: Path, exits_with_run: bool) -> None:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        env = {**os.environ, "SLUICE_DIE_WITH_PARENT": "1", "PYTHONUNBUFFERED": "1"}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        with log_path.open("ab") as log_fh:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "sluice.cli", *args, str(config_path)],
+                stdout=log_fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        self.children.append(Child(name, proc, log_path, exits_with_run))
+
+    def start(self) -> None:
+        config_path = self.prepare()
+        for k in range(self.cfg.buffer.shards):
+            self._spawn(f"buffer-{k}", ["buffer", "--shard", str(k)], config_path, False)
+        self._spawn("learner", ["learner"], config_path, True)
+        for i in range(self.cfg.rollout.services):
+            self._spawn(f"rollout-{i}", ["rollout", "--index", str(i)], config_path, True)
+
+    # -- supervision ---------------------------------------------------------------------------
+
+    def supervise(self) -> int:
+        """Wait for the learner; fail fast if any other role dies. Returns the run's exit code."""
+        tail = Tail(self.run_dir / "metrics" / "learner.jsonl")
+        run_log = JsonlLog(self.run_dir / "metrics" / "launcher.jsonl")
+        total = self.cfg.learner.total_steps
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("v{task.completed:.0f}/{task.total:.0f}"),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not self.show_progress,
+            refresh_per_second=4,
+        )
+        code = EXIT_FAILED
+        with progress:
+            task = progress.add_task("training", total=total, info="starting roles")
+            while True:
+                if self.stop.is_set():
+                    self.console.print("[yellow]interrupted: stopping every role")
+                    code = 130
+                    break
+                for record in tail.poll():
+                    run_log.write({"event": "learner_step", "version": record.get("version")})
+                if tail.last:
+                    progress.update(
+                        task, completed=tail.last.get("version", 0), info=_progress_info(tail.last)
+                    )
+                learner = self._child("learner")
+                rc = learner.proc.poll()
+                if rc is not None:
+                    code = EXIT_OK if rc == 0 else EXIT_FAILED
+                    if rc != 0:
+                        self._report_death(learner, rc)
+                    break
+                dead = [c for c in self.children if c.proc.poll() is not None and c.name != "learner"]
+                unexpected = [c for c in dead if not (c.exits_with_run and c.proc.returncode == 0)]
+                if unexpected:
+                    for c in unexpected:
+                        self._report_death(c, c.proc.returncode)
+                    code = EXIT_FAILED
+                    break
+                time.sleep(0.25)
+            tail.poll()
+            if tail.last:
+                progress.update(task, completed=tail.last.get("version", 0), info=_progress_info(tail.last))
+        run_log.close()
+        return code
+
+    def _child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def _report_death(self, child: Child, rc: int) -> None:
+        lines = child.log_path.read_text(errors="replace").splitlines()[-25:]
+        self.console.print(f"[red]{child.name} exited with code {rc}; last lines of {child.log_path}:")
+        self.console.print("\n".join(lines), markup=False, highlight=False)
+
+    def shutdown(self, grace_s: float = 15.0) -> None:
+        """Rollouts first (they read weights from the learner), then the learner, then shards.
+        SIGTERM, wait up to `grace_s`, then SIGKILL the process group."""
+        order = (
+            [c for c in self.children if c.name.startswith("rollout")]
+            + [c for c in self.children if c.name == "learner"]
+            + [c for c in self.children if c.name.startswith("buffer")]
+        )
+        for c in order:
+            if c.proc.poll() is None:
+                _signal_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for c in order:
+            try:
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            # Anything the role started (e.g. vLLM engine processes) lives in its process group.
+            _signal_group(c.proc, signal.SIGKILL)
+            c.proc.wait()
+
+    def run(self) -> int:
+        self.start()
+        try:
+            code = self.supervise()
+        finally:
+            self.shutdown()
+        learner = self._child("learner")
+        self.console.print(f"run directory: {self.run_dir} (learner exit {learner.proc.returncode})")
+        return code
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _progress_info(r: dict) -> str:
+    return (
+        f"reward {r.get('reward_mean', float('nan')):.3f}  "
+        f"{r.get('samples_per_s', 0.0):.0f} samples/s  "
+        f"staleness {r.get('staleness_mean', 0.0):.2f} (max {r.get('staleness_max', 0):.0f})  "
+        f"dropped {r.get('total_dropped_stale', 0)}  wait {100 * r.get('wait_frac', 0.0):.0f}%"
+    )
+
+
+def run_local(cfg: RunConfig, show_progress: bool = True) -> int:
+    launcher = LocalLauncher(cfg, show_progress=show_progress)
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        launcher.stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return launcher.run()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,71 @@
+"""What every role process does before its main loop: logging, signals, parent-death signal.
+
+Exit codes of role processes (and of `sluice run`):
+    0  finished, or stopped on request (SIGTERM/SIGINT)
+    1  failed at run time (see the log)
+    2  bad config or usage (the message names the key)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+
+
+def quiet_libraries() -> None:
+    """No per-file progress bars from transformers/huggingface_hub in role logs."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def setup_logging(role: str, level: str | None = None) -> None:
+    quiet_libraries()
+    logging.basicConfig(
+        level=level or os.environ.get("SLUICE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set `stop`; the role's loop ends at its next check and cleans up.
+    A second signal while stopping exits at once."""
+
+    def handler(signum, frame):  # noqa: ARG001
+        if stop.is_set():
+            os._exit(EXIT_FAILED)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def die_with_parent() -> None:
+    """Linux: get SIGTERM when the launcher dies, even by SIGKILL (no orphaned roles)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def run_role(role: str, main: Callable[[threading.Event], int]) -> int:
+    setup_logging(role)
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    if os.environ.get("SLUICE_DIE_WITH_PARENT") == "1":
+        die_with_parent()
+    try:
+        return main(stop)
+    except Exception:
+        logging.getLogger(role).exception("%s failed", role)
+        return EXIT_FAILED

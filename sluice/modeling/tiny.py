@@ -1,0 +1,84 @@
+"""Build, save and load the policy model as a Hugging Face model directory.
+
+Both the learner and the rollout services start from the same directory, so they agree on
+architecture, tokenizer and initial weights; vLLM serves the same directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from sluice.config.model import ModelConfig, TinyModelInit
+from sluice.modeling.tokenizer import build_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_tiny_model(init: TinyModelInit) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
+    tokenizer = build_tokenizer(init.tokens())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=init.hidden_size,
+        intermediate_size=init.intermediate_size,
+        num_hidden_layers=init.num_layers,
+        num_attention_heads=init.num_heads,
+        num_key_value_heads=init.num_heads,
+        head_dim=init.head_dim,
+        max_position_embeddings=init.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(init.seed)
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model, tokenizer
+
+
+def materialize_model_dir(cfg: ModelConfig, run_dir: Path) -> Path:
+    """The model directory every role loads: `cfg.path`, or `<run_dir>/model` built from
+    `cfg.init` (atomically, so concurrent roles starting at once agree on one copy)."""
+    if cfg.path is not None:
+        path = Path(cfg.path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model.path={str(path)!r} has no config.json")
+        return path
+    target = run_dir / "model"
+    if (target / "config.json").is_file():
+        return target
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=run_dir))
+    model, tokenizer = build_tiny_model(cfg.init)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        # Another role won the race; its copy is identical (same seed, same vocabulary).
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_policy(
+    model_dir: Path, dtype: str = "float32", device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
+    return model.to(device), tokenizer

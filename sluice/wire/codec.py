@@ -1,0 +1,193 @@
+"""Encode and decode Sluice messages: a msgpack header frame plus raw array frames.
+
+Arrays are never encoded element by element: each travels as its own frame (sent with
+`copy=False`), and is read back with `numpy.frombuffer` (zero copy, read-only view).
+Decoding never raises anything but `ProtocolError`, which carries the error code and a
+message naming the bad field or frame, ready to become an `ErrorReply`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+from sluice.wire.messages import (
+    PROTO_VERSION,
+    ArraySpec,
+    ErrorReply,
+    Reply,
+    Request,
+    TrajectoryMeta,
+)
+
+# Accepted dtype names and their item sizes. bfloat16 has no numpy dtype: it travels as raw
+# 2-byte words and is viewed with torch on the receiving side.
+DTYPES: dict[str, int] = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+}
+
+Frame = Any  # bytes, memoryview or zmq.Frame: anything exposing the buffer protocol
+M = TypeVar("M", bound=msgspec.Struct)
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+class ProtocolError(Exception):
+    """A message that cannot be accepted. `code` is one of messages.ErrorCode."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def frame_bytes(frame: Frame) -> memoryview:
+    """A memoryview over a frame's bytes without copying (zmq.Frame exposes `.buffer`)."""
+    buf = getattr(frame, "buffer", frame)
+    return memoryview(buf).cast("B")
+
+
+def encode(header: msgspec.Struct, payload: Sequence[Frame] = ()) -> list[Frame]:
+    """Header frame followed by payload frames, ready for `send_multipart(copy=False)`."""
+    return [_encoder.encode(header), *payload]
+
+
+def _peek_id(raw: memoryview) -> int:
+    """Best-effort request id from a header that failed validation (-1 if unreadable)."""
+    try:
+        loose = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return -1
+    if isinstance(loose, dict) and isinstance(loose.get("id"), int):
+        return loose["id"]
+    return -1
+
+
+def decode_request(frames: Sequence[Frame]) -> tuple[Request, list[Frame]]:
+    """Parse a request: (header, payload frames). Raises ProtocolError with the request id set
+    on `.request_id` where one could be read."""
+    if not frames:
+        raise _with_id(ProtocolError("BAD_FRAME", "empty message: expected a header frame"), -1)
+    raw = frame_bytes(frames[0])
+    try:
+        header = _request_decoder.decode(raw)
+    except msgspec.ValidationError as e:
+        raise _with_id(ProtocolError("BAD_HEADER", f"header: {e}"), _peek_id(raw)) from None
+    except msgspec.DecodeError as e:
+        raise _with_id(ProtocolError("BAD_FRAME", f"frame 0 is not msgpack: {e}"), -1) from None
+    if header.proto != PROTO_VERSION:
+        raise _with_id(
+            ProtocolError(
+                "PROTO_VERSION", f"header.proto={header.proto}, this server speaks {PROTO_VERSION}"
+            ),
+            header.id,
+        )
+    return header, list(frames[1:])
+
+
+def decode_reply(frames: Sequence[Frame]) -> tuple[Reply, list[Frame]]:
+    """Parse a reply. A client treats a malformed reply as a broken server: ProtocolError."""
+    if not frames:
+        raise ProtocolError("BAD_FRAME", "empty reply")
+    try:
+        header = _reply_decoder.decode(frame_bytes(frames[0]))
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ProtocolError("BAD_HEADER", f"reply header: {e}") from None
+    return header, list(frames[1:])
+
+
+def _with_id(err: ProtocolError, request_id: int) -> ProtocolError:
+    err.request_id = request_id  # type: ignore[attr-defined]
+    return err
+
+
+def error_reply(request_id: int, code: str, message: str, retry_after_ms: int = 0) -> ErrorReply:
+    return ErrorReply(
+        proto=PROTO_VERSION,
+        id=request_id,
+        code=code,
+        message=message,
+        retry_after_ms=retry_after_ms,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrays
+
+
+def array_spec(name: str, array: np.ndarray) -> ArraySpec:
+    dtype = str(array.dtype)
+    if dtype not in DTYPES:
+        raise ValueError(f"array {name!r}: dtype {dtype} is not one of {sorted(DTYPES)}")
+    return ArraySpec(name=name, dtype=dtype, shape=list(array.shape))
+
+
+def array_payload(array: np.ndarray) -> memoryview:
+    """The bytes of an array as one frame (little-endian, C order; copies only if needed)."""
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
+
+
+def check_specs(specs: Sequence[ArraySpec], where: str) -> int:
+    """Validate dtypes and shapes; return the total payload bytes they announce."""
+    total = 0
+    for j, spec in enumerate(specs):
+        if spec.dtype not in DTYPES:
+            raise ProtocolError(
+                "BAD_HEADER",
+                f"{where}.arrays[{j}].dtype={spec.dtype!r} is not one of {sorted(DTYPES)}",
+            )
+        if any(d < 0 for d in spec.shape):
+            raise ProtocolError("BAD_HEADER", f"{where}.arrays[{j}].shape={spec.shape} is negative")
+        total += math.prod(spec.shape) * DTYPES[spec.dtype]
+    return total
+
+
+def split_payload(trajs: Sequence[TrajectoryMeta], payload: Sequence[Frame]) -> list[list[Frame]]:
+    """Assign payload frames to trajectories, checking count and length of every frame."""
+    expected = sum(len(t.arrays) for t in trajs)
+    if len(payload) != expected:
+        raise ProtocolError(
+            "BAD_PAYLOAD",
+            f"header announces {expected} array frames, message carries {len(payload)}",
+        )
+    out: list[list[Frame]] = []
+    k = 0
+    for i, traj in enumerate(trajs):
+        check_specs(traj.arrays, f"trajs[{i}]")
+        frames_i = []
+        for j, spec in enumerate(traj.arrays):
+            want = math.prod(spec.shape) * DTYPES[spec.dtype]
+            got = len(frame_bytes(payload[k]))
+            if got != want:
+                raise ProtocolError(
+                    "BAD_PAYLOAD",
+                    f"frame {k + 1} (trajs[{i}].arrays[{j}] {spec.name!r}): {got} bytes, "
+                    f"{spec.dtype}{spec.shape} needs {want}",
+                )
+            frames_i.append(payload[k])
+            k += 1
+        out.append(frames_i)
+    return out
+
+
+def view_array(spec: ArraySpec, frame: Frame) -> np.ndarray:
+    """A read-only numpy view of a payload frame. bfloat16 comes back as uint16 words."""
+    dtype = np.uint16 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
+    return np.frombuffer(frame_bytes(frame), dtype=dtype).reshape(spec.shape)

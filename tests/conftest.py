@@ -1,0 +1,81 @@
+"""Shared fixtures: free ports, in-thread shard servers, subprocess cleanup.
+
+Every socket is closed with linger 0 and every thread or process a test starts is stopped in
+teardown, also when the test fails; receives use timeouts, so a broken test fails, not hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from buffer.server import ShardServer
+from sluice.config.buffer import BufferConfig
+from sluice.net import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def zmq_ctx() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+class RunningShard:
+    def __init__(self, cfg: BufferConfig, shard: int = 0, clock=None) -> None:
+        kwargs = {"clock": clock} if clock is not None else {}
+        self.cfg = cfg
+        self.server = ShardServer(cfg, shard, ctx=zmq.Context(), **kwargs)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
+        self.thread.start()
+        self.endpoint = cfg.endpoint(shard)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        assert not self.thread.is_alive(), "shard thread did not stop"
+
+
+@pytest.fixture
+def shard_factory() -> Iterator:
+    started: list[RunningShard] = []
+
+    def make(**overrides) -> RunningShard:
+        cfg = BufferConfig(endpoints=[f"tcp://127.0.0.1:{free_port()}"], **overrides)
+        shard = RunningShard(cfg)
+        started.append(shard)
+        return shard
+
+    yield make
+    for s in started:
+        s.close()
+
+
+@pytest.fixture
+def process_reaper() -> Iterator[list[subprocess.Popen]]:
+    """Register Popen objects (started with start_new_session=True); their process groups are
+    killed at teardown."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()

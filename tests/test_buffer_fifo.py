@@ -1,0 +1,242 @@
+"""FIFO store semantics and the shard server over real ZeroMQ."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from buffer.client import BufferClient, BufferError
+from buffer.fifo_store import FifoStore, GroupIncomplete, ShardFull
+from sluice.trajectory import Trajectory, to_wire_batch
+from sluice.wire import codec
+
+
+def group(gid: str, version: int, size: int = 2, nbytes: int = 16) -> list[Trajectory]:
+    return [
+        Trajectory(
+            traj_id=f"{gid}/{j}",
+            group_id=gid,
+            version=version,
+            group_size=size,
+            reward=float(j),
+            arrays={"x": np.full(nbytes // 4, j, dtype=np.int32)},
+        )
+        for j in range(size)
+    ]
+
+
+def put(store: FifoStore, trajs: list[Trajectory]) -> tuple[int, int]:
+    metas, payload = to_wire_batch(trajs)
+    return store.put(metas, codec.split_payload(metas, payload))
+
+
+# -- store ----------------------------------------------------------------------------------
+
+
+def test_fifo_lease_ack_nack_and_expiry():
+    s = FifoStore(capacity=100, lease_timeout_s=10)
+    put(s, group("a", 0))
+    put(s, group("b", 0))
+    lease, dropped = s.get(max_trajs=2, policy_id="default", min_version=0, now=0.0)
+    assert dropped == 0 and [g.group_id for g in lease.groups] == ["a"]
+    assert s.nack(lease.lease_id) == 2  # back to the front, in order
+    lease, _ = s.get(4, "default", 0, now=1.0)
+    assert [g.group_id for g in lease.groups] == ["a", "b"]
+    assert s.expire_leases(now=5.0) == 0
+    assert s.expire_leases(now=11.0) == 4  # timed out: redelivered
+    lease, _ = s.get(4, "default", 0, now=12.0)
+    assert s.ack(lease.lease_id) == 4
+    assert s.size == 0 and s.counters.acked_trajs == 4
+    with pytest.raises(KeyError):
+        s.ack(lease.lease_id)
+
+
+def test_groups_are_never_split():
+    s = FifoStore(capacity=100, lease_timeout_s=10)
+    put(s, group("a", 0, size=3))
+    put(s, group("b", 0, size=3))
+    lease, _ = s.get(max_trajs=4, policy_id="default", min_version=0, now=0)
+    assert lease.size == 3  # a whole group, not 4 trajectories
+    lease, _ = s.get(max_trajs=1, policy_id="default", min_version=0, now=0)
+    assert lease.size == 3  # at least one whole group even if larger than asked
+    with pytest.raises(GroupIncomplete):
+        put(s, group("c", 0, size=3)[:2])
+
+
+def test_duplicates_are_dropped():
+    s = FifoStore(capacity=100, lease_timeout_s=10)
+    assert put(s, group("a", 0)) == (2, 0)
+    assert put(s, group("a", 0)) == (0, 2)
+    assert s.size == 2
+
+
+def test_capacity_refuses_whole_put():
+    s = FifoStore(capacity=3, lease_timeout_s=10)
+    put(s, group("a", 0))
+    with pytest.raises(ShardFull):
+        put(s, group("b", 0))
+    assert s.size == 2 and s.counters.refused_full == 2
+    lease, _ = s.get(2, "default", 0, now=0)
+    with pytest.raises(ShardFull):  # leased samples still count against capacity
+        put(s, group("b", 0))
+    s.ack(lease.lease_id)
+    assert put(s, group("b", 0)) == (2, 0)
+
+
+def test_stale_groups_are_dropped_never_leased():
+    s = FifoStore(capacity=100, lease_timeout_s=10)
+    for v in (0, 1, 2, 3, 1, 5):
+        put(s, group(f"g{v}-{s.counters.put_trajs}", v))
+    lease, dropped = s.get(max_trajs=100, policy_id="default", min_version=3, now=0)
+    versions = [g.version for g in lease.groups]
+    assert all(v >= 3 for v in versions)
+    # a stale group queued behind a fresh one is dropped when it reaches the front
+    assert versions == [3, 5]
+    assert dropped == 8 and s.counters.dropped_stale == 8 and s.queued == 0
+
+
+# -- server ---------------------------------------------------------------------------------
+
+
+def test_server_round_trip_with_client(shard_factory):
+    shard = shard_factory()
+    with BufferClient([shard.endpoint], timeout_s=5) as client:
+        reply = client.put(group("a", 0, size=4, nbytes=4096))
+        assert reply.accepted == 4
+        assert client.put(group("a", 0, size=4, nbytes=4096)).duplicates == 4
+        batch = client.get(4)
+        assert len(batch.trajs) == 4
+        assert [t.traj_id for t in batch.trajs] == [f"a/{j}" for j in range(4)]
+        assert batch.trajs[2].arrays["x"].tolist() == [2] * 1024
+        assert client.ack(batch) == 4
+        stats = client.stats()[0].stats
+        assert stats["acked"] == 4 and stats["queued"] == 0
+
+
+def test_long_poll_get_returns_when_data_arrives(shard_factory):
+    shard = shard_factory()
+    with (
+        BufferClient([shard.endpoint], timeout_s=5) as consumer,
+        BufferClient([shard.endpoint], timeout_s=5) as producer,
+    ):
+        import threading
+
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("b", consumer.get(2, wait_ms=3000)))
+        t.start()
+        producer.put(group("late", 0))
+        t.join(timeout=5)
+        assert len(got["b"].trajs) == 2
+        empty = consumer.get(2, wait_ms=50)  # nothing left: an empty reply after the wait
+        assert empty.trajs == [] and empty.leases == []
+
+
+def test_full_shard_pushes_back(shard_factory):
+    shard = shard_factory(capacity=2, retry_after_ms=20)
+    with BufferClient([shard.endpoint], timeout_s=5, put_give_up_s=0.2) as client:
+        client.put(group("a", 0))
+        with pytest.raises(BufferError) as e:
+            client.put(group("b", 0))
+        assert e.value.code == "FULL" and e.value.retry_after_ms == 20
+        assert client.backpressure_s > 0
+
+
+def _raw_request(sock: zmq.Socket, frames: list[bytes]) -> dict:
+    sock.send_multipart([b"", *frames])
+    assert sock.poll(5000), "no reply"
+    reply = sock.recv_multipart()
+    assert reply[0] == b""
+    return msgspec.msgpack.decode(reply[1])
+
+
+@pytest.mark.parametrize(
+    "frames,code,needle",
+    [
+        ([b"\xc1garbage"], "BAD_FRAME", "not msgpack"),
+        ([msgspec.msgpack.encode([1, 2, 3])], "BAD_HEADER", "header"),
+        (
+            [msgspec.msgpack.encode({"proto": 1, "op": "GET", "id": 5, "max_trajs": -3})],
+            "BAD_HEADER",
+            "max_trajs",
+        ),
+        (
+            [msgspec.msgpack.encode({"proto": 1, "op": "GET", "id": 5, "max_trajs": 10**9})],
+            "TOO_LARGE",
+            "max_trajs",
+        ),
+        ([msgspec.msgpack.encode({"proto": 1, "op": "NOPE", "id": 5})], "BAD_HEADER", "NOPE"),
+        ([msgspec.msgpack.encode({"proto": 2, "op": "PING", "id": 5})], "PROTO_VERSION", "proto=2"),
+        (
+            [msgspec.msgpack.encode({"proto": 1, "op": "ACK", "id": 5, "lease_id": "nope"})],
+            "UNKNOWN_LEASE",
+            "nope",
+        ),
+        (
+            [msgspec.msgpack.encode({"proto": 1, "op": "PING", "id": 5}), b"extra"],
+            "BAD_PAYLOAD",
+            "no payload",
+        ),
+        (
+            [
+                msgspec.msgpack.encode(
+                    {
+                        "proto": 1,
+                        "op": "PUT",
+                        "id": 5,
+                        "trajs": [
+                            {
+                                "traj_id": "t",
+                                "group_id": "g",
+                                "version": 0,
+                                "arrays": [{"name": "x", "dtype": "float32", "shape": [4]}],
+                            }
+                        ],
+                    }
+                ),
+                b"short",
+            ],
+            "BAD_PAYLOAD",
+            "frame 1",
+        ),
+    ],
+)
+def test_bad_messages_get_error_replies_and_the_server_keeps_serving(
+    shard_factory, zmq_ctx, frames, code, needle
+):
+    shard = shard_factory()
+    sock = zmq_ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(shard.endpoint)
+    reply = _raw_request(sock, frames)
+    assert reply["ok"] is False and reply["op"] == "ERROR"
+    assert reply["code"] == code, reply
+    assert needle in reply["message"], reply
+    # still serving, and the good request after it works
+    pong = _raw_request(sock, [msgspec.msgpack.encode({"proto": 1, "op": "PING", "id": 6})])
+    assert pong["ok"] is True and pong["id"] == 6
+    sock.close()
+
+
+def test_req_socket_clients_work_too(shard_factory, zmq_ctx):
+    shard = shard_factory()
+    sock = zmq_ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(shard.endpoint)
+    sock.send(msgspec.msgpack.encode({"proto": 1, "op": "STATS", "id": 1}))
+    assert sock.poll(5000)
+    reply = msgspec.msgpack.decode(sock.recv())
+    assert reply["ok"] and reply["stats"]["queued"] == 0
+    sock.close()
+
+
+def test_stale_samples_are_never_delivered_over_the_wire(shard_factory):
+    shard = shard_factory()
+    with BufferClient([shard.endpoint], timeout_s=5) as client:
+        for v in range(6):
+            client.put(group(f"v{v}", v))
+        batch = client.get(100, min_version=4)
+        assert sorted({t.version for t in batch.trajs}) == [4, 5]
+        assert batch.dropped_stale == 8
+        assert client.stats()[0].stats["dropped_stale"] == 8

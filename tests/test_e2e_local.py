@@ -1,0 +1,151 @@
+"""End to end: `sluice run` with real processes and real ZeroMQ on this machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sluice.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+pytestmark = pytest.mark.slow
+
+
+def sluice_run(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sluice.cli",
+            "run",
+            str(QUICKSTART),
+            f"run.dir={run_dir}",
+            *overrides,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing listens on the port and a server could bind it again now (SO_REUSEADDR, as
+    ZeroMQ and TCPStore bind; connections of the ended run may linger in TIME_WAIT)."""
+    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    if port in listening:
+        return False
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def run_ports(run_dir: Path) -> list[int]:
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    ports = [int(ep.rsplit(":", 1)[1]) for ep in cfg["buffer"]["endpoints"]]
+    ports.append(int(cfg["weight_sync"]["master_port"]))
+    for rec in (run_dir / "endpoints").glob("*.json"):
+        ports.append(json.loads(rec.read_text())["metrics_port"])
+    return ports
+
+
+def role_pids(run_dir: Path) -> list[int]:
+    return [json.loads(p.read_text())["pid"] for p in (run_dir / "endpoints").glob("*.json")]
+
+
+def test_quickstart_learns_and_cleans_up(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = sluice_run(run_dir, "learner.total_steps=150")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    assert [s["version"] for s in steps] == list(range(1, 151))
+    first = sum(s["reward_mean"] for s in steps[:15]) / 15
+    last = sum(s["reward_mean"] for s in steps[-15:]) / 15
+    assert last > first + 0.05, (first, last)  # the policy improved
+    # the staleness bound held on every step, and the safety net never fired
+    assert all(s["staleness_max"] <= 2 for s in steps)
+    assert steps[-1]["total_violations"] == 0
+    # final checkpoint, loadable as a Hugging Face model
+    from transformers import AutoModelForCausalLM
+
+    ckpt = run_dir / "checkpoints" / "step_000150"
+    assert (ckpt / "model.safetensors").is_file()
+    AutoModelForCausalLM.from_pretrained(ckpt)
+    # every role got and left its endpoints; no process or port is left behind
+    assert {"learner", "buffer-0", "rollout-0", "rollout-1"} <= {
+        p.stem for p in (run_dir / "endpoints").glob("*.json")
+    }
+    assert not [pid for pid in role_pids(run_dir) if psutil.pid_exists(pid)]
+    assert all(port_is_free(p) for p in run_ports(run_dir))
+
+
+def test_synchronous_bound_consumes_only_current_version(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = sluice_run(run_dir, "learner.total_steps=12", "learner.max_staleness=0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    assert len(steps) == 12
+    assert all(s["staleness_max"] == 0 for s in steps)
+    assert steps[-1]["total_violations"] == 0
+
+
+def test_ctrl_c_stops_every_role_and_frees_ports(tmp_path, process_reaper):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sluice.cli",
+            "run",
+            str(QUICKSTART),
+            f"run.dir={run_dir}",
+            "learner.total_steps=100000",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    process_reaper.append(proc)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) < 5:
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.5)
+    pids = role_pids(run_dir)
+    assert len(pids) == 4
+    os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends to the launcher
+    proc.wait(timeout=60)
+    assert proc.returncode == 130
+    time.sleep(0.5)
+    assert not [
+        pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    ]
+    assert all(port_is_free(p) for p in run_ports(run_dir))
+
+
+def test_bad_config_gives_one_line_error_naming_the_key(tmp_path):
+    proc = sluice_run(tmp_path / "run", "learner.loss.type=nope", timeout=60)
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "learner.loss.type" in line and "grpo" in line
+    proc = sluice_run(tmp_path / "run", "learner.lerning_rate=1", timeout=60)
+    assert proc.returncode == 2 and "learner.lerning_rate: unknown key" in proc.stderr
