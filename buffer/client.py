@@ -15,7 +15,6 @@ Socket rules:
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,13 +22,13 @@ from dataclasses import dataclass, field
 import xxhash
 import zmq
 
-from sluice.net import zmq_socket
+from sluice.rpc import RpcConnection
+from sluice.rpc import RpcError as BufferError
+from sluice.rpc import RpcTimeout as BufferTimeout
 from sluice.trajectory import Trajectory, from_wire_batch, to_wire_batch
-from sluice.wire import codec
 from sluice.wire.messages import (
     PROTO_VERSION,
     AckRequest,
-    ErrorReply,
     GetReply,
     GetRequest,
     NackRequest,
@@ -41,64 +40,12 @@ from sluice.wire.messages import (
 )
 
 
-class BufferError(RuntimeError):
-    """The shard answered with an error reply."""
-
-    def __init__(self, shard: int, reply: ErrorReply) -> None:
-        super().__init__(f"shard {shard}: {reply.code}: {reply.message}")
-        self.shard = shard
-        self.code = reply.code
-        self.retry_after_ms = reply.retry_after_ms
-
-
-class BufferTimeout(TimeoutError):
-    """No reply from a shard within the timeout."""
-
-
 class PutAborted(RuntimeError):
     """`should_abort` turned true while a PUT was waiting out backpressure or a timeout."""
 
 
 def shard_of(group_id: str, n_shards: int) -> int:
     return xxhash.xxh64_intdigest(group_id.encode()) % n_shards
-
-
-class ShardConnection:
-    """A DEALER to one shard with request ids and timeouts."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str, shard: int) -> None:
-        self.endpoint = endpoint
-        self.shard = shard
-        self.sock = zmq_socket(ctx, zmq.DEALER, hwm=10000)
-        self.sock.connect(endpoint)
-        self._ids = itertools.count(1)
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    def request(self, header, payload: Sequence[codec.Frame] = (), timeout_s: float = 30.0):
-        """Send and wait for the matching reply. Returns (reply, payload frames)."""
-        self.sock.send_multipart([b"", *codec.encode(header, payload)], copy=False)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self.sock.poll(remaining_ms, zmq.POLLIN):
-                raise BufferTimeout(
-                    f"shard {self.shard} at {self.endpoint}: no reply to {type(header).__name__} "
-                    f"within {timeout_s:.1f}s"
-                )
-            frames = self.sock.recv_multipart(copy=False)
-            if frames and len(frames[0]) == 0:
-                frames = frames[1:]
-            reply, out = codec.decode_reply(frames)
-            if reply.id != header.id:
-                continue  # the late answer to an earlier, timed-out request
-            if isinstance(reply, ErrorReply):
-                raise BufferError(self.shard, reply)
-            return reply, out
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
 
 
 @dataclass
@@ -129,7 +76,7 @@ class BufferClient:
             raise ValueError("BufferClient needs at least one shard endpoint")
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
-        self.shards = [ShardConnection(self.ctx, ep, k) for k, ep in enumerate(endpoints)]
+        self.shards = [RpcConnection(self.ctx, ep, name=f"shard {k}") for k, ep in enumerate(endpoints)]
         self.timeout_s = timeout_s
         self.put_give_up_s = put_give_up_s
         self.should_abort = should_abort
@@ -150,7 +97,7 @@ class BufferClient:
             total.duplicates += reply.duplicates
         return total
 
-    def _put_one(self, conn: ShardConnection, trajs: Sequence[Trajectory]) -> PutReply:
+    def _put_one(self, conn: RpcConnection, trajs: Sequence[Trajectory]) -> PutReply:
         metas, frames = to_wire_batch(trajs)
         give_up = time.monotonic() + self.put_give_up_s
         while True:
@@ -167,7 +114,7 @@ class BufferClient:
                     raise
                 wait = 0.0
             if self.should_abort():
-                raise PutAborted(f"PUT to shard {conn.shard} abandoned on request")
+                raise PutAborted(f"PUT to {conn.name} abandoned on request")
             self.backpressure_s += wait
             time.sleep(wait)
 
@@ -199,7 +146,7 @@ class BufferClient:
             part = LeasedBatch(dropped_stale=reply.dropped_stale)
             if reply.lease_id:
                 part.trajs = from_wire_batch(reply.trajs, frames)
-                part.leases = [(conn.shard, reply.lease_id)]
+                part.leases = [((start + i) % n, reply.lease_id)]
             batch.extend(part)
         return batch
 

@@ -28,6 +28,7 @@ from buffer.fifo_store import FifoStore, GroupIncomplete, ShardFull
 from buffer.metrics import ShardMetrics
 from sluice.config.buffer import BufferConfig
 from sluice.net import zmq_socket
+from sluice.rpc import split_envelope
 from sluice.wire import codec
 from sluice.wire.messages import (
     PROTO_VERSION,
@@ -127,7 +128,7 @@ class ShardServer:
     # -- dispatch ------------------------------------------------------------------------------
 
     def _on_message(self, frames: list[zmq.Frame]) -> None:
-        envelope, body = _split_envelope(frames)
+        envelope, body = split_envelope(frames)
         if envelope is None:
             return  # nothing to reply to
         request_id = -1
@@ -246,13 +247,3 @@ class ShardServer:
     def _count_error(self, code: str) -> None:
         if self.metrics is not None:
             self.metrics.errors.labels(code=code).inc()
-
-
-def _split_envelope(frames: list[zmq.Frame]) -> tuple[Envelope | None, list[zmq.Frame]]:
-    """ROUTER frames -> (identity [+ empty delimiter], body)."""
-    if not frames:
-        return None, []
-    identity = frames[0].bytes
-    if len(frames) >= 2 and len(frames[1]) == 0:
-        return [identity, b""], frames[2:]
-    return [identity], frames[1:]

@@ -21,6 +21,8 @@ from learner.checkpoint import save_checkpoint
 from learner.losses.grpo import group_advantages, group_indices, grpo_loss
 from learner.metrics import LearnerMetrics
 from sluice.config.run import RunConfig
+from sluice.control.admission import AdmissionPolicy
+from sluice.control.server import ControlServer
 from sluice.modeling import load_policy, materialize_model_dir
 from sluice.trajectory import Trajectory
 from weight_sync.broadcaster import WeightBroadcaster
@@ -67,6 +69,9 @@ class Learner:
             cfg.weight_sync, cfg.rollout.services, self.device, cfg.model.dtype
         )
         self.metrics = LearnerMetrics(cfg)
+        self.control = ControlServer(
+            cfg.control.bind_endpoint, AdmissionPolicy(lc.batch_size, lc.max_staleness)
+        )
         self.totals = {"samples": 0, "tokens": 0, "dropped_stale": 0, "violations": 0}
 
     # -- named steps ---------------------------------------------------------------------------
@@ -141,6 +146,7 @@ class Learner:
     def run(self) -> int:
         lc, ws = self.cfg.learner, self.cfg.weight_sync
         self.metrics.start()
+        self.control.start()
         self.broadcaster.start()
         self.publish_weights()
         while self.version < lc.total_steps and not self.stop.is_set():
@@ -154,24 +160,24 @@ class Learner:
             self.version += 1
             self.buffer.ack(received.leased)
             sync_s = self.publish_weights() if self.version % ws.every == 0 else 0.0
+            self.control.set_version(self.version)  # admits new work once its weights are out
             t3 = time.perf_counter()
             self._account(received, stats)
             step_s = t3 - t0
-            self.metrics.step(
-                self.version,
-                {
-                    **stats,
-                    "wait_s": t1 - t0,
-                    "compute_s": t2 - t1,
-                    "sync_s": sync_s,
-                    "step_s": step_s,
-                    "wait_frac": (t1 - t0) / step_s,
-                    "samples_per_s": stats.get("samples", 0) / step_s,
-                    "dropped_stale": received.dropped_stale,
-                    "staleness_violations": received.violations,
-                    **{f"total_{k}": v for k, v in self.totals.items()},
-                },
-            )
+            record = {
+                **stats,
+                "wait_s": t1 - t0,
+                "compute_s": t2 - t1,
+                "sync_s": sync_s,
+                "step_s": step_s,
+                "wait_frac": (t1 - t0) / step_s,
+                "samples_per_s": stats.get("samples", 0) / step_s,
+                "dropped_stale": received.dropped_stale,
+                "staleness_violations": received.violations,
+                **{f"total_{k}": v for k, v in self.totals.items()},
+            }
+            self.metrics.step(self.version, record)
+            self.control.update_learner({k: float(v) for k, v in record.items()})
             if lc.checkpoint_every and self.version % lc.checkpoint_every == 0:
                 self.checkpoint()
         self.checkpoint()
@@ -184,6 +190,7 @@ class Learner:
         self.totals["violations"] += received.violations
 
     def close(self) -> None:
+        self.control.close()
         self.broadcaster.close()
         self.buffer.close()
         self.metrics.close()

@@ -23,6 +23,7 @@ from rollout_svc.engines.registry import build_engine
 from rollout_svc.tasks.base import Prompt, Task
 from rollout_svc.tasks.registry import build_task
 from sluice.config.run import RunConfig
+from sluice.control.client import ControlClient
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.modeling import materialize_model_dir
 from sluice.trajectory import Trajectory
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class BatchStats:
+    pause_s: float  # waiting for admission before this batch
     samples: int
     tokens: int
     reward_mean: float
@@ -62,6 +64,9 @@ class RolloutService:
             cfg.buffer.all_endpoints(),
             should_abort=lambda: self.stop.is_set() or self.receiver.finished.is_set(),
         )
+        self.control = ControlClient(cfg.control.endpoint)
+        self._last_heartbeat = 0.0
+        self._totals = {"samples": 0.0, "pause_s": 0.0, "generate_s": 0.0}
         self.metrics_log = JsonlLog(cfg.run_dir / "metrics" / f"{self.service_id}.jsonl")
         self.prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("rollout", index))
         self._g_version = Gauge(
@@ -78,6 +83,11 @@ class RolloutService:
         )
         self._c_gen_s = Counter(
             "sluice_rollout_generate_seconds", "Time generating", registry=self.prom.registry
+        )
+        self._c_pause_s = Counter(
+            "sluice_rollout_admission_pause_seconds",
+            "Time paused by admission control",
+            registry=self.prom.registry,
         )
         self._c_put_s = Counter(
             "sluice_rollout_put_seconds", "Time in PUT (backpressure included)", registry=self.prom.registry
@@ -112,8 +122,10 @@ class RolloutService:
                 stats = self.rollout_batch()
             except PutAborted:
                 continue  # stopping: the loop condition or the receiver state ends the service
-            batches += 1
-            self.record(stats, batches)
+            if stats is not None:
+                batches += 1
+                self.record(stats, batches)
+            self.maybe_heartbeat()
         return 0
 
     def _wait_first_weights(self) -> bool:
@@ -137,9 +149,31 @@ class RolloutService:
             self.engine.load_weights(weights.tensors, weights.version)
             self._g_version.set(weights.version)
 
-    def rollout_batch(self) -> BatchStats:
+    def admit(self) -> tuple[int, float]:
+        """Ask the learner how many samples may start now; pause (taking new weights
+        meanwhile) until some may. Returns (samples granted, seconds paused)."""
         rc = self.cfg.rollout
-        prompts = self.task.sample(rc.prompts_per_batch)
+        want = rc.prompts_per_batch * rc.group_size
+        if not self.cfg.control.admission:
+            return want, 0.0
+        t0 = time.perf_counter()
+        while not self.stop.is_set() and not self.receiver.finished.is_set():
+            reply = self.control.admit(self.service_id, want, rc.group_size)
+            if reply.granted:
+                return reply.granted, time.perf_counter() - t0
+            self.maybe_heartbeat()
+            time.sleep(reply.retry_after_ms / 1000.0)
+            self.apply_new_weights()
+        return 0, time.perf_counter() - t0
+
+    def rollout_batch(self) -> BatchStats | None:
+        rc = self.cfg.rollout
+        granted, pause_s = self.admit()
+        self._totals["pause_s"] += pause_s
+        self._c_pause_s.inc(pause_s)
+        if granted == 0:
+            return None
+        prompts = self.task.sample(granted // rc.group_size)
         prompt_ids = [self.tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
         prompt_ids = [[self.tokenizer.bos_token_id, *ids] for ids in prompt_ids]
         t0 = time.perf_counter()
@@ -151,9 +185,14 @@ class RolloutService:
             for t in self.build_group(prompt, ids, group)
         ]
         t2 = time.perf_counter()
-        self.buffer.put(trajs)
+        try:
+            self.buffer.put(trajs)
+        except PutAborted:
+            self.control.refund(self.service_id, len(trajs))
+            raise
         t3 = time.perf_counter()
         return BatchStats(
+            pause_s=pause_s,
             samples=len(trajs),
             tokens=sum(len(t.arrays["completion_ids"]) for t in trajs),
             reward_mean=float(np.mean([t.reward for t in trajs])),
@@ -186,7 +225,17 @@ class RolloutService:
             )
         return out
 
+    def maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat < self.cfg.control.heartbeat_s:
+            return
+        self._last_heartbeat = now
+        stats = {"version": float(self.engine.version), **self._totals}
+        self.control.heartbeat(self.service_id, "rollout", stats)
+
     def record(self, s: BatchStats, batches: int) -> None:
+        self._totals["samples"] += s.samples
+        self._totals["generate_s"] += s.generate_s
         self._c_samples.inc(s.samples)
         self._c_tokens.inc(s.tokens)
         self._g_reward.set(s.reward_mean)
@@ -195,6 +244,7 @@ class RolloutService:
         self.metrics_log.write(
             {
                 "batch": batches,
+                "pause_s": s.pause_s,
                 "version": self.engine.version,
                 "samples": s.samples,
                 "tokens": s.tokens,
@@ -209,6 +259,7 @@ class RolloutService:
     def close(self) -> None:
         self.receiver.stop()
         self.buffer.close()
+        self.control.close()
         self.prom.stop()
         self.metrics_log.close()
 

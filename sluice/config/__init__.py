@@ -1,6 +1,7 @@
 """Typed run configuration: one section per component, loaded from YAML with dotted overrides."""
 
 from sluice.config.buffer import BufferConfig
+from sluice.config.control import ControlConfig
 from sluice.config.learner import LearnerConfig, LossConfig
 from sluice.config.loader import ConfigError, dump_config, load_config
 from sluice.config.model import ModelConfig, TinyModelInit
@@ -11,6 +12,7 @@ from sluice.config.weight_sync import WeightSyncConfig
 __all__ = [
     "BufferConfig",
     "ConfigError",
+    "ControlConfig",
     "LearnerConfig",
     "LossConfig",
     "MetricsConfig",

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from sluice.config.base import Section
 from sluice.config.buffer import BufferConfig
+from sluice.config.control import ControlConfig
 from sluice.config.learner import LearnerConfig
 from sluice.config.model import ModelConfig
 from sluice.config.rollout import RolloutConfig, TaskConfig
@@ -46,6 +47,7 @@ class RunConfig(Section):
     rollout: RolloutConfig = RolloutConfig()
     learner: LearnerConfig = LearnerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
+    control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
 
     @property

@@ -73,6 +73,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
     b = cfg.buffer
     if not b.endpoints and b.base_port == 0:
         b.endpoints = [f"tcp://{b.host}:{free_port(b.host)}" for _ in range(b.shards)]
+    if cfg.control.port == 0:
+        cfg.control.port = free_port(cfg.control.host)
     if cfg.weight_sync.master_port == 0:
         cfg.weight_sync.master_port = free_port(cfg.weight_sync.master_addr)
     return cfg

@@ -78,14 +78,17 @@ def _peek_id(raw: memoryview) -> int:
     return -1
 
 
-def decode_request(frames: Sequence[Frame]) -> tuple[Request, list[Frame]]:
+def decode_request(
+    frames: Sequence[Frame], decoder: msgspec.msgpack.Decoder = _request_decoder
+) -> tuple[Request, list[Frame]]:
     """Parse a request: (header, payload frames). Raises ProtocolError with the request id set
-    on `.request_id` where one could be read."""
+    on `.request_id` where one could be read. `decoder` selects the protocol (buffer requests
+    by default; the control plane passes its own)."""
     if not frames:
         raise _with_id(ProtocolError("BAD_FRAME", "empty message: expected a header frame"), -1)
     raw = frame_bytes(frames[0])
     try:
-        header = _request_decoder.decode(raw)
+        header = decoder.decode(raw)
     except msgspec.ValidationError as e:
         raise _with_id(ProtocolError("BAD_HEADER", f"header: {e}"), _peek_id(raw)) from None
     except msgspec.DecodeError as e:
@@ -100,12 +103,14 @@ def decode_request(frames: Sequence[Frame]) -> tuple[Request, list[Frame]]:
     return header, list(frames[1:])
 
 
-def decode_reply(frames: Sequence[Frame]) -> tuple[Reply, list[Frame]]:
+def decode_reply(
+    frames: Sequence[Frame], decoder: msgspec.msgpack.Decoder = _reply_decoder
+) -> tuple[Reply, list[Frame]]:
     """Parse a reply. A client treats a malformed reply as a broken server: ProtocolError."""
     if not frames:
         raise ProtocolError("BAD_FRAME", "empty reply")
     try:
-        header = _reply_decoder.decode(frame_bytes(frames[0]))
+        header = decoder.decode(frame_bytes(frames[0]))
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ProtocolError("BAD_HEADER", f"reply header: {e}") from None
     return header, list(frames[1:])

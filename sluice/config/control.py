@@ -1,0 +1,31 @@
+"""Where the control plane (admission, heartbeats, status) listens."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from sluice.config.base import Section
+
+
+class ControlConfig(Section):
+    host: str = "127.0.0.1"
+    """Host rollouts and `sluice status` connect to (learner rank 0 serves it)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the control server. 0: the local launcher picks a free port."""
+    bind: str | None = None
+    """Bind endpoint (e.g. tcp://*:5600). Default: tcp://host:port."""
+    admission: bool = True
+    """Rollouts ask before starting samples, so none is started that would be too stale
+    when consumed (AReaL's rule; see sluice/control/admission.py)."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """How often roles report their live numbers."""
+
+    @property
+    def endpoint(self) -> str:
+        if self.port == 0:
+            raise ValueError("control.port is 0: no address (the local launcher sets one)")
+        return f"tcp://{self.host}:{self.port}"
+
+    @property
+    def bind_endpoint(self) -> str:
+        return self.bind or self.endpoint

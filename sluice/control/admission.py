@@ -1,0 +1,45 @@
+"""Admission control: do not start work that would be too stale when consumed.
+
+AReaL's rule, over all rollout services together: a sample may start only while
+
+    started <= (v + max_staleness + 1) * batch_size
+
+where `started` counts every sample ever admitted (minus refunds) and `v` is the learner
+version. The learner consumes `batch_size` samples per version, so a sample admitted under
+this rule is consumed at the latest at version v + max_staleness: it is never too stale, and
+rollouts pause instead of generating samples that would be dropped.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AdmissionPolicy:
+    batch_size: int  # learner samples per version
+    max_staleness: int
+    started: int = 0
+    refused_asks: int = 0
+    per_service: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def quota(self, version: int) -> int:
+        return (version + self.max_staleness + 1) * self.batch_size
+
+    def admit(self, service_id: str, n: int, group_size: int, version: int) -> int:
+        """Grant up to `n` samples in whole groups; 0 means wait."""
+        if n <= 0 or group_size <= 0:
+            raise ValueError(f"n={n} and group_size={group_size} must be positive")
+        room = max(0, self.quota(version) - self.started)
+        granted = min(n, room) // group_size * group_size
+        if granted == 0:
+            self.refused_asks += 1
+        self.started += granted
+        self.per_service[service_id] += granted
+        return granted
+
+    def refund(self, service_id: str, n: int) -> None:
+        n = min(n, self.per_service[service_id])
+        self.started -= n
+        self.per_service[service_id] -= n

@@ -1,0 +1,52 @@
+"""Client of the control server (rollout services, `sluice status`). Not thread-safe."""
+
+from __future__ import annotations
+
+import zmq
+
+from sluice.control.messages import (
+    AdmitReply,
+    AdmitRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
+    RefundRequest,
+    StatusReply,
+    StatusRequest,
+    reply_decoder,
+)
+from sluice.rpc import RpcConnection
+from sluice.wire.messages import PROTO_VERSION
+
+
+class ControlClient:
+    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, ctx: zmq.Context | None = None) -> None:
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.conn = RpcConnection(self.ctx, endpoint, name="control", reply_decoder=reply_decoder)
+        self.timeout_s = timeout_s
+
+    def admit(self, service_id: str, n: int, group_size: int) -> AdmitReply:
+        req = AdmitRequest(
+            proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, n=n, group_size=group_size
+        )
+        return self.conn.request(req, timeout_s=self.timeout_s)[0]
+
+    def refund(self, service_id: str, n: int) -> None:
+        req = RefundRequest(proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, n=n)
+        self.conn.request(req, timeout_s=self.timeout_s)
+
+    def heartbeat(self, service_id: str, role: str, stats: dict[str, float]) -> HeartbeatReply:
+        req = HeartbeatRequest(
+            proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, role=role, stats=stats
+        )
+        return self.conn.request(req, timeout_s=self.timeout_s)[0]
+
+    def status(self) -> StatusReply:
+        return self.conn.request(
+            StatusRequest(proto=PROTO_VERSION, id=self.conn.next_id()), timeout_s=self.timeout_s
+        )[0]
+
+    def close(self) -> None:
+        self.conn.close()
+        if self._own_ctx:
+            self.ctx.term()

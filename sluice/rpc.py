@@ -1,0 +1,98 @@
+"""Request/reply over ZeroMQ for every Sluice server (buffer shards, the control plane).
+
+Client side, `RpcConnection`:
+- A DEALER, connected (never bound) to the server's ROUTER. Sends `[b"", header, payload...]`.
+- Every request carries an id; a reply with another id (the late answer to a request that
+  timed out) is discarded. No request waits longer than its timeout: `RpcTimeout`.
+- An error reply raises `RpcError` with the server's code, message and retry hint.
+- Not thread-safe: one connection per thread.
+
+Server side, `split_envelope`: ROUTER frames -> (envelope to echo, body).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from sluice.net import zmq_socket
+from sluice.wire import codec
+from sluice.wire.messages import ErrorReply
+
+
+class RpcError(RuntimeError):
+    """The server answered with an error reply."""
+
+    def __init__(self, where: str, reply: ErrorReply) -> None:
+        super().__init__(f"{where}: {reply.code}: {reply.message}")
+        self.where = where
+        self.code = reply.code
+        self.message = reply.message
+        self.retry_after_ms = reply.retry_after_ms
+
+
+class RpcTimeout(TimeoutError):
+    """No reply within the timeout."""
+
+
+class RpcConnection:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        endpoint: str,
+        *,
+        name: str | None = None,
+        reply_decoder: msgspec.msgpack.Decoder | None = None,
+        hwm: int = 10000,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name or endpoint
+        self.sock = zmq_socket(ctx, zmq.DEALER, hwm=hwm)
+        self.sock.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._decoder = reply_decoder
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def request(self, header, payload: Sequence[codec.Frame] = (), timeout_s: float = 30.0):
+        """Send and wait for the matching reply. Returns (reply, payload frames)."""
+        self.sock.send_multipart([b"", *codec.encode(header, payload)], copy=False)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0 or not self.sock.poll(remaining_ms, zmq.POLLIN):
+                raise RpcTimeout(
+                    f"{self.name} at {self.endpoint}: no reply to {type(header).__name__} "
+                    f"within {timeout_s:.1f}s"
+                )
+            frames = self.sock.recv_multipart(copy=False)
+            if frames and len(frames[0]) == 0:
+                frames = frames[1:]
+            if self._decoder is None:
+                reply, out = codec.decode_reply(frames)
+            else:
+                reply, out = codec.decode_reply(frames, self._decoder)
+            if reply.id != header.id:
+                continue  # the late answer to an earlier, timed-out request
+            if isinstance(reply, ErrorReply):
+                raise RpcError(self.name, reply)
+            return reply, out
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def split_envelope(frames: list[zmq.Frame]) -> tuple[list[bytes] | None, list[zmq.Frame]]:
+    """ROUTER frames -> (identity [+ empty delimiter], body). REQ peers send the delimiter;
+    DEALER peers may or may not."""
+    if not frames:
+        return None, []
+    identity = frames[0].bytes
+    if len(frames) >= 2 and len(frames[1]) == 0:
+        return [identity, b""], frames[2:]
+    return [identity], frames[1:]

@@ -1,0 +1,87 @@
+"""Admission control (AReaL's rule) and the control server over real ZeroMQ."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import zmq
+
+from sluice.control.admission import AdmissionPolicy
+from sluice.control.client import ControlClient
+from sluice.control.server import ControlServer
+from sluice.net import free_port
+from sluice.rpc import RpcError
+
+
+def test_admission_rule_by_hand():
+    policy = AdmissionPolicy(batch_size=8, max_staleness=1)
+    # version 0: quota (0 + 1 + 1) * 8 = 16
+    assert policy.admit("a", 12, group_size=4, version=0) == 12
+    assert policy.admit("b", 8, group_size=4, version=0) == 4  # whole groups only
+    assert policy.admit("a", 4, group_size=4, version=0) == 0  # full: wait
+    assert policy.refused_asks == 1
+    policy.refund("b", 4)  # aborted work gives its quota back
+    assert policy.admit("a", 4, group_size=4, version=0) == 4
+    assert policy.admit("a", 8, group_size=4, version=1) == 8  # the learner advanced
+    assert policy.started == 24 == policy.quota(1)
+
+
+def test_admitted_samples_are_never_too_stale_when_consumed_fifo():
+    """Simulate: rollouts always hold the learner's latest weights; the learner consumes
+    FIFO. Every admitted sample is consumed within the bound."""
+    batch, bound = 16, 2
+    policy = AdmissionPolicy(batch_size=batch, max_staleness=bound)
+    queue: list[int] = []  # versions of produced samples
+    version = 0
+    for _ in range(200):
+        granted = policy.admit("r", 8, group_size=4, version=version)
+        queue.extend([version] * granted)
+        if len(queue) >= batch:
+            consumed, queue = queue[:batch], queue[batch:]
+            assert max(version - v for v in consumed) <= bound
+            version += 1
+    assert version > 20
+
+
+@pytest.fixture
+def control():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ControlServer(endpoint, AdmissionPolicy(batch_size=8, max_staleness=0), ctx=zmq.Context())
+    server.start()
+    client = ControlClient(endpoint, timeout_s=5)
+    yield server, client, endpoint
+    client.close()
+    server.close()
+
+
+def test_control_server_round_trip(control):
+    server, client, _ = control
+    assert client.admit("rollout-0", 8, 4).granted == 8
+    reply = client.admit("rollout-0", 8, 4)
+    assert reply.granted == 0 and reply.retry_after_ms > 0
+    server.set_version(1)
+    assert client.admit("rollout-0", 8, 4).granted == 8
+    client.heartbeat("rollout-0", "rollout", {"samples_per_s": 12.5})
+    server.update_learner({"reward_mean": 0.5})
+    status = client.status()
+    assert status.learner["version"] == 1 and status.learner["reward_mean"] == 0.5
+    assert status.services["rollout-0"].stats["samples_per_s"] == 12.5
+    assert status.admission["started"] == 16
+
+
+def test_control_server_rejects_bad_input_and_keeps_serving(control):
+    _, client, endpoint = control
+    with pytest.raises(RpcError) as e:
+        client.admit("rollout-0", 0, 4)
+    assert e.value.code == "BAD_HEADER" and "n=0" in e.value.message
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", msgspec.msgpack.encode({"proto": 1, "op": "ADMIT", "id": 9, "n": "lots"})])
+    assert sock.poll(5000)
+    reply = msgspec.msgpack.decode(sock.recv_multipart()[1])
+    assert reply["code"] == "BAD_HEADER" and reply["id"] == 9
+    sock.close()
+    ctx.term()
+    assert client.status().ok
