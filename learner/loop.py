@@ -133,6 +133,7 @@ class Learner:
 
     def publish_weights(self) -> float:
         stats = self.broadcaster.publish(self.version, self.model)
+        self.control.set_published(self.version)
         return stats.seconds
 
     def checkpoint(self) -> None:
@@ -154,6 +155,7 @@ class Learner:
             received = self.receive_batch()
             if received is None:
                 break
+            self.control.release(received.dropped_stale + received.violations)
             t1 = time.perf_counter()
             stats = self.train_step(received.trajs) if received.trajs else {}
             t2 = time.perf_counter()

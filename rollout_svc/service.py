@@ -160,11 +160,27 @@ class RolloutService:
         while not self.stop.is_set() and not self.receiver.finished.is_set():
             reply = self.control.admit(self.service_id, want, rc.group_size)
             if reply.granted:
+                if not self.catch_up(reply.weights_version):
+                    self.control.refund(self.service_id, reply.granted)
+                    break
                 return reply.granted, time.perf_counter() - t0
             self.maybe_heartbeat()
             time.sleep(reply.retry_after_ms / 1000.0)
             self.apply_new_weights()
         return 0, time.perf_counter() - t0
+
+    def catch_up(self, version: int) -> bool:
+        """Admitted work is generated with the newest published weights: wait for them if
+        they are still on their way from the receiver thread."""
+        self.apply_new_weights()
+        while self.engine.version < version:
+            if self.stop.is_set() or self.receiver.finished.is_set():
+                return False
+            weights = self.receiver.wait_for_weights(timeout_s=0.5)
+            if weights is not None:
+                self.engine.load_weights(weights.tensors, weights.version)
+                self._g_version.set(weights.version)
+        return True
 
     def rollout_batch(self) -> BatchStats | None:
         rc = self.cfg.rollout

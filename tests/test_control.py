@@ -85,3 +85,13 @@ def test_control_server_rejects_bad_input_and_keeps_serving(control):
     sock.close()
     ctx.term()
     assert client.status().ok
+
+
+def test_dropped_samples_release_their_quota():
+    """Samples admitted but dropped as stale must not hold quota forever (else deadlock)."""
+    policy = AdmissionPolicy(batch_size=8, max_staleness=0)
+    assert policy.admit("a", 8, 4, version=0) == 8
+    assert policy.admit("a", 8, 4, version=1) == 8  # these 8 were then dropped by the buffer
+    assert policy.admit("a", 8, 4, version=1) == 0
+    policy.release(8)
+    assert policy.admit("a", 8, 4, version=1) == 8

@@ -39,6 +39,12 @@ class AdmissionPolicy:
         self.per_service[service_id] += granted
         return granted
 
+    def release(self, n: int) -> None:
+        """Samples that were admitted but will never be consumed (dropped as stale by the
+        buffer or the learner) no longer count as started: without this, a run whose samples
+        were dropped would wait forever for quota that is held by nothing."""
+        self.started = max(0, self.started - n)
+
     def refund(self, service_id: str, n: int) -> None:
         n = min(n, self.per_service[service_id])
         self.started -= n

@@ -54,6 +54,7 @@ class _Reply(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
 class AdmitReply(_Reply, tag="ADMIT"):
     granted: int = 0  # samples the service may start now (a multiple of group_size, may be 0)
     version: int = 0  # learner version when granting
+    weights_version: int = 0  # newest published weights: admitted work must use weights >= this
     retry_after_ms: int = 0  # when granted < n: ask again after this long
 
 

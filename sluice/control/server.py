@@ -49,6 +49,7 @@ class ControlServer:
         self.retry_after_ms = retry_after_ms
         self._lock = threading.Lock()
         self._version = 0
+        self._published = 0
         self._learner: dict[str, float] = {}
         self._services: dict[str, tuple[str, float, dict[str, float]]] = {}
         self._ctx = ctx or zmq.Context.instance()
@@ -66,6 +67,17 @@ class ControlServer:
     def set_version(self, version: int) -> None:
         with self._lock:
             self._version = version
+
+    def set_published(self, version: int) -> None:
+        """Weights of `version` reached every receiver."""
+        with self._lock:
+            self._published = version
+
+    def release(self, n: int) -> None:
+        """The learner reports samples that were dropped instead of consumed."""
+        if n:
+            with self._lock:
+                self.admission.release(n)
 
     def update_learner(self, stats: dict[str, float]) -> None:
         with self._lock:
