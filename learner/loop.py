@@ -70,7 +70,9 @@ class Learner:
         )
         self.metrics = LearnerMetrics(cfg)
         self.control = ControlServer(
-            cfg.control.bind_endpoint, AdmissionPolicy(lc.batch_size, lc.max_staleness)
+            cfg.control.bind_endpoint,
+            AdmissionPolicy(lc.batch_size, lc.max_staleness),
+            service_timeout_s=cfg.control.service_timeout_s,
         )
         self.totals = {"samples": 0, "tokens": 0, "dropped_stale": 0, "violations": 0}
 

@@ -59,8 +59,10 @@ def test_control_server_round_trip(control):
     assert client.admit("rollout-0", 8, 4).granted == 8
     reply = client.admit("rollout-0", 8, 4)
     assert reply.granted == 0 and reply.retry_after_ms > 0
+    server.set_published(1)  # the learner publishes v1, then advances (quota follows the weights)
     server.set_version(1)
-    assert client.admit("rollout-0", 8, 4).granted == 8
+    reply = client.admit("rollout-0", 8, 4)
+    assert reply.granted == 8 and reply.weights_version == 1
     client.heartbeat("rollout-0", "rollout", {"samples_per_s": 12.5})
     server.update_learner({"reward_mean": 0.5})
     status = client.status()
