@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from recompute import max_logprob_error
+
 from rollout_svc.engines.base import SamplingParams, WeightUpdate
 from rollout_svc.engines.hf import HFEngine
 from sluice.config.model import ModelConfig

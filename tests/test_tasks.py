@@ -53,8 +53,8 @@ ROWS = [{"question": "2 + 3 =", "solution": "5"}, {"question": "4 * 2 =", "solut
 
 
 def _task(path, **params):
-    return build_task(TaskConfig(name="dataset", params={"path": str(path), "prompt_field": "question",
-                                                         "answer_field": "solution", **params}), seed=0)  # fmt: skip
+    fields = {"prompt_field": "question", "answer_field": "solution"}
+    return build_task(TaskConfig(name="dataset", params={"path": str(path), **fields, **params}), seed=0)
 
 
 def _check_dataset_task(task):
