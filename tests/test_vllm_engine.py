@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from recompute import max_logprob_error
+
 from rollout_svc.engines.base import SamplingParams, WeightUpdate
 from sluice.config.model import ModelConfig
 from sluice.config.rollout import VllmEngineConfig
