@@ -80,6 +80,7 @@ class RolloutService:
         )
         self.control = ControlClient(cfg.control.endpoint)
         self.delivered = 0  # samples PUT (reported in heartbeats)
+        self.overlong_prompts = 0  # prompts skipped: no room left to answer
         self._totals = {"samples": 0.0, "pause_s": 0.0, "generate_s": 0.0, "dropped_groups": 0.0}
         self._heartbeat_stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -118,6 +119,9 @@ class RolloutService:
         )
         self._c_dropped = Counter(
             "sluice_rollout_dropped_groups", "Zero-variance groups dropped (DAPO filter)", registry=reg
+        )
+        self._c_overlong = Counter(
+            "sluice_rollout_overlong_prompts", "Prompts skipped: longer than the context", registry=reg
         )
         self._c_discarded = Counter(
             "sluice_rollout_discarded_tokens", "Tokens thrown away by abort-mode restarts", registry=reg
@@ -229,9 +233,10 @@ class RolloutService:
         self._c_pause_s.inc(pause_s)
         if granted == 0:
             return None
-        prompts = self.task.sample(granted // rc.group_size)
-        prompt_ids = [self.tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
-        prompt_ids = [[self.tokenizer.bos_token_id, *ids] for ids in prompt_ids]
+        prompts, prompt_ids = self.sample_prompts(granted // rc.group_size)
+        if not prompts:
+            self.control.refund(self.control_id, granted)
+            return None
         t0 = time.perf_counter()
         run = multi_turn if self.task.multi_turn else single_turn
         groups = run(
@@ -243,7 +248,7 @@ class RolloutService:
         kept = [(p, ids, g) for p, ids, g in zip(prompts, prompt_ids, groups) if self.keep_group(g)]
         trajs = [t for p, ids, g in kept for t in self.build_group(p, ids, g)]
         dropped = len(groups) - len(kept)
-        if dropped:
+        if len(trajs) < granted:  # over-long prompts and dropped groups give their quota back
             self.control.refund(self.control_id, granted - len(trajs))
         t2 = time.perf_counter()
         if trajs:
@@ -267,6 +272,22 @@ class RolloutService:
             truncated=sum(not s.finished for s in all_samples),
             version_spans=sum(len(np.unique(s.versions)) > 1 for s in all_samples),
         )
+
+    def sample_prompts(self, n: int) -> tuple[list[Prompt], list[list[int]]]:
+        """The task's next `n` prompts, tokenized, without those that leave the model no room
+        to answer (counted and logged; their quota is refunded by the caller)."""
+        prompts, ids = [], []
+        for p in self.task.sample(n):
+            tokens = [self.tokenizer.bos_token_id, *self.tokenizer.encode(p.text, add_special_tokens=False)]
+            if len(tokens) >= self.engine.max_model_len:
+                self.overlong_prompts += 1
+                self._c_overlong.inc()
+                log.warning("%s: prompt %s has %d tokens, max_model_len is %d: skipped",
+                            self.service_id, p.prompt_id, len(tokens), self.engine.max_model_len)  # fmt: skip
+                continue
+            prompts.append(p)
+            ids.append(tokens)
+        return prompts, ids
 
     def keep_group(self, group: list[Sample]) -> bool:
         """DAPO's filter: a group whose rewards are all equal has zero advantages."""

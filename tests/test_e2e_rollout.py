@@ -65,10 +65,12 @@ def test_multi_turn_task_with_partial_rollouts_trains(tmp_path):
 def test_quickstart_with_the_vllm_engine(tmp_path):
     pytest.importorskip("vllm")
     run_dir = tmp_path / "run"
-    proc = sluice_run(run_dir, "rollout.engine=vllm", "learner.total_steps=20", timeout=400)
+    proc = sluice_run(
+        run_dir, "rollout.engine=vllm", "rollout.services=1", "learner.total_steps=10", timeout=400
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
-    assert len(steps) == 20
+    assert len(steps) == 10
     assert all(s["staleness_max"] <= 2 for s in steps) and steps[-1]["total_violations"] == 0
     # behaviour log-probs from vLLM agree with the learner: importance ratios stay near 1
     # for the freshest samples (log_ratio_abs_mean covers stale ones too, so it is loose)

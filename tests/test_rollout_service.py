@@ -5,6 +5,7 @@ leaving a running system, and the DAPO zero-variance filter with its quota refun
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -151,6 +152,60 @@ def test_services_join_and_leave_a_running_system(tmp_path, shard_factory, proce
         drain.close()
 
 
+class ServiceThread:
+    """One rollout service (sim engine) in a thread of this process, with the stand-in
+    learner serving the control plane only (the test reads the buffer itself)."""
+
+    def __init__(self, cfg) -> None:
+        self.drain = Drain(cfg)
+        self.drain.control.start()
+        self.stop = threading.Event()
+        self.service = RolloutService(cfg, 0, self.stop)
+        self.thread = threading.Thread(target=self.service.run, daemon=True)
+        self.thread.start()
+
+    def run_until(self, predicate, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not predicate(self.service):
+                assert self.thread.is_alive() and time.monotonic() < deadline, self.service._totals
+                time.sleep(0.05)
+        finally:
+            self.stop.set()
+            self.thread.join(timeout=30)
+            self.service.close()
+
+    def buffered(self, cfg) -> list:
+        with BufferClient(cfg.buffer.all_endpoints()) as client:
+            got = client.get(1000, wait_ms=100).trajs
+        self.drain.close()
+        return got
+
+
+def test_overlong_prompts_are_skipped_and_refunded(tmp_path, shard_factory):
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        json.dumps({"prompt": " ".join(["7"] * 20), "answer": "7"})
+        + "\n"
+        + json.dumps({"prompt": "3 =", "answer": "3"})
+        + "\n"
+    )
+    cfg, _ = sim_config(
+        tmp_path,
+        shard_factory(),
+        model={"init": {"vocab": "digits", "max_position_embeddings": 16}},
+        task={"name": "dataset", "params": {"path": str(data), "reward": "exact"}},
+        rollout={"prompts_per_batch": 2, "sim": {"decode_step_s": 0.0, "eos_prob": 0.2}},
+        learner={"batch_size": 64, "max_staleness": 3},
+    )
+    st = ServiceThread(cfg)
+    st.run_until(lambda s: s.overlong_prompts >= 3 and s.delivered >= 8)
+    assert st.drain.control.admission.started == st.service.delivered
+    got = st.buffered(cfg)
+    assert len(got) == st.service.delivered
+    assert all(len(t.arrays["prompt_ids"]) + len(t.arrays["completion_ids"]) <= 16 for t in got)
+
+
 def test_zero_variance_groups_are_dropped_and_their_quota_refunded(tmp_path, shard_factory):
     shard = shard_factory()
     cfg, _ = sim_config(
@@ -160,27 +215,11 @@ def test_zero_variance_groups_are_dropped_and_their_quota_refunded(tmp_path, sha
             "decode_step_s": 0.0, "decode_s_per_seq": 0.0, "call_s": 0.0, "eos_prob": 0.2}},
         learner={"batch_size": 64, "max_staleness": 3},
     )  # fmt: skip
-    drain = Drain(cfg)  # serves the control plane; this test reads the buffer itself
-    drain.control.start()
-    stop = threading.Event()
-    service = RolloutService(cfg, 0, stop)
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while service._totals["dropped_groups"] < 5 or service.delivered < 16:
-            assert thread.is_alive() and time.monotonic() < deadline, service._totals
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-        service.close()
-    adm = drain.control.admission
-    assert adm.started == service.delivered  # every dropped group's quota came back
-    with BufferClient(cfg.buffer.all_endpoints()) as client:
-        got = client.get(1000, wait_ms=100).trajs
-    drain.close()
-    assert len(got) == service.delivered
+    st = ServiceThread(cfg)
+    st.run_until(lambda s: s._totals["dropped_groups"] >= 5 and s.delivered >= 16)
+    assert st.drain.control.admission.started == st.service.delivered  # dropped groups' quota came back
+    got = st.buffered(cfg)
+    assert len(got) == st.service.delivered
     groups: dict[str, list[float]] = {}
     for t in got:
         groups.setdefault(t.group_id, []).append(t.reward)
