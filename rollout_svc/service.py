@@ -206,7 +206,9 @@ class RolloutService:
             reply = self.control.admit(self.control_id, want, rc.group_size)
             self.weights.observe(reply.weights_version)
             if reply.granted:
-                if not self.catch_up(reply.weights_version):
+                if not rc.wait_for_published_weights:
+                    self.apply_new_weights()
+                elif not self.catch_up(reply.weights_version):
                     self.control.refund(self.control_id, reply.granted)
                     break
                 return reply.granted, time.perf_counter() - t0

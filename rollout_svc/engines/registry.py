@@ -3,14 +3,23 @@ imports torch)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from rollout_svc.engines.base import Engine
 from sluice.config.run import RunConfig
 
-ENGINES = ("hf", "vllm", "sim")
+ENGINES = ("hf", "vllm", "sim", "auto")
+
+
+def resolve_engine(kind: str) -> str:
+    """`auto`: vllm where it is installed, else hf."""
+    if kind != "auto":
+        return kind
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def build_engine(cfg: RunConfig, seed: int) -> Engine:
-    kind = cfg.rollout.engine
+    kind = resolve_engine(cfg.rollout.engine)
     if kind == "sim":
         from rollout_svc.engines.sim import SimEngine
 

