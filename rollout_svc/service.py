@@ -217,8 +217,8 @@ class RolloutService:
         return 0, time.perf_counter() - t0
 
     def catch_up(self, version: int) -> bool:
-        """Admitted work is generated with the newest published weights: wait for them if
-        they are still on their way."""
+        """With rollout.wait_for_published_weights, admitted work is generated with the newest
+        published weights: wait for them if they are still on their way."""
         self.apply_new_weights()
         while self.engine.version < version:
             if self.stop.is_set() or self.weights.done:
