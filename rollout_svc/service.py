@@ -206,7 +206,9 @@ class RolloutService:
             reply = self.control.admit(self.control_id, want, rc.group_size)
             self.weights.observe(reply.weights_version)
             if reply.granted:
-                if not rc.wait_for_published_weights:
+                # With no staleness slack, a sample begun on older weights is always dropped.
+                wait = rc.wait_for_published_weights or self.cfg.learner.max_staleness == 0
+                if not wait:
                     self.apply_new_weights()
                 elif not self.catch_up(reply.weights_version):
                     self.control.refund(self.control_id, reply.granted)
