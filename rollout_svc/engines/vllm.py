@@ -71,6 +71,7 @@ class VLLMEngine(Engine):
             enforce_eager=cfg.enforce_eager,
             logprobs_mode="processed_logprobs",
             weight_transfer_config={"backend": BACKEND},
+            worker_extension_cls="rollout_svc.engines.vllm_transfer.RegisteringWorkerExtension",
             **memory,
         )
         self.llm.init_weight_transfer_engine({"init_info": {}})

@@ -70,6 +70,12 @@ class SafetensorsFileTransfer(WeightTransferEngine[FileInitInfo, FileUpdateInfo]
         pass
 
 
+class RegisteringWorkerExtension:
+    """Given to vLLM as `worker_extension_cls`: a worker in another process (multi-process
+    engine core, tensor parallelism) imports this module to build its class, and importing
+    it registers the backend there too. Adds no methods."""
+
+
 def register() -> None:
     """Make `sluice_file` a weight-transfer backend of this process (idempotent)."""
     if BACKEND not in WeightTransferEngineFactory._registry:
