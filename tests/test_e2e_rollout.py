@@ -75,3 +75,21 @@ def test_quickstart_with_the_vllm_engine(tmp_path):
     # behaviour log-probs from vLLM agree with the learner: importance ratios stay near 1
     # for the freshest samples (log_ratio_abs_mean covers stale ones too, so it is loose)
     assert steps[0]["log_ratio_abs_mean"] < 1e-3, steps[0]
+
+
+def test_rollout_benchmark_smoke(tmp_path):
+    """The sim part of benchmarks/rollout_throughput.py runs end to end and writes its JSON."""
+    import json
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/rollout_throughput.py", "--part", "sim", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["sim"]["rows"]
+    assert [r["services"] for r in rows] == [1, 2]
+    assert all(r["samples_per_s"] > 0 for r in rows)
