@@ -93,15 +93,17 @@ def _run_slow_learner(tmp_path, shard_factory, process_reaper, admission: bool):
     shard = shard_factory()
     cfg, path = sim_config(tmp_path, shard, control={"admission": admission})
     drain = DrainThread(cfg, step_s=0.4, filter_stale=False)  # slow, and no consumer filter
+    procs = []
     try:
         procs = [start_service(path, i, process_reaper) for i in range(2)]
         drain.wait_for(lambda s: s.version >= 12, timeout_s=120, procs=procs)
         stats = drain.drain.snapshot()
     finally:
+        for p in procs:  # services first: they stop quickly while the control plane answers
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)
         drain.close()
-    for p in procs:
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=30)
     records = [r for i in range(2) for r in read_jsonl(cfg.run_dir / "metrics" / f"rollout-{i}.jsonl")]
     return stats, sum(r["pause_s"] for r in records)
 
@@ -148,6 +150,11 @@ def test_services_join_and_leave_a_running_system(tmp_path, shard_factory, proce
         )
         assert drain.drain.snapshot().per_service[a_id] == seen.per_service[a_id]
     finally:
+        for p in process_reaper:  # services first: they stop quickly while the control plane answers
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in process_reaper:
+            p.wait(timeout=30)
         control.close()
         drain.close()
 
