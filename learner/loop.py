@@ -70,7 +70,9 @@ class Learner:
         )
         self.metrics = LearnerMetrics(cfg)
         self.control = ControlServer(
-            cfg.control.bind_endpoint, AdmissionPolicy(lc.batch_size, lc.max_staleness)
+            cfg.control.bind_endpoint,
+            AdmissionPolicy(lc.batch_size, lc.max_staleness),
+            service_timeout_s=cfg.control.service_timeout_s,
         )
         self.totals = {"samples": 0, "tokens": 0, "dropped_stale": 0, "violations": 0}
 
@@ -90,6 +92,10 @@ class Learner:
             part = self.buffer.get(
                 lc.batch_size - len(leased.trajs), min_version=min_version, wait_ms=lc.get_wait_ms
             )
+            # Dropped samples give their admission quota back at once: held until the batch
+            # is complete, they could starve it (with max_staleness 0, every stale sample
+            # holds quota the replacement needs).
+            self.control.release(part.dropped_stale)
             leased.extend(part)
         fresh = [t for t in leased.trajs if t.version >= min_version]
         return ReceivedBatch(
@@ -155,7 +161,7 @@ class Learner:
             received = self.receive_batch()
             if received is None:
                 break
-            self.control.release(received.dropped_stale + received.violations)
+            self.control.release(received.violations)
             t1 = time.perf_counter()
             stats = self.train_step(received.trajs) if received.trajs else {}
             t2 = time.perf_counter()

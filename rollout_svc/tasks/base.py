@@ -1,8 +1,17 @@
 """The task interface: a stream of prompts and a reward function (DESIGN section 5).
 
 A task is text in, text out: it writes prompts as text (tokenized with the model's tokenizer)
-and scores the decoded completion. Tasks are plugins: subclass `Task`, give it a `Config`
-model for its `task.params`, and register it in `rollout_svc.tasks.registry`.
+and scores the decoded completion. Tasks are plugins: subclass `Task` (single turn) or
+`MultiTurnTask` (the environment replies, the model continues), give it a `Config` model for
+its `task.params`, and register it in `rollout_svc.tasks.registry`.
+
+Single turn: `sample(n)` prompts, the engine completes each `group_size` times, `score` gives
+each completion its reward.
+
+Multi turn: `start(prompt)` opens an `Episode` per completion; after each model turn the
+episode's `respond` either replies (its text is appended to the context; those tokens are not
+the model's and get loss_mask 0) or ends the episode with its reward. Tool-call style tasks
+are episodes whose replies are tool results (see `tasks/calculator.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from sluice.wire.messages import Scalar
 
 @dataclass
 class Prompt:
-    prompt_id: str  # unique within the run (becomes part of the group id)
+    prompt_id: str  # unique within the service (becomes part of the group id)
     text: str  # what the model is given
     reference: Any  # what the reward function checks the completion against
 
@@ -32,6 +41,7 @@ class Score:
 class Task(ABC):
     name: ClassVar[str]
     Config: ClassVar[type[Section]]
+    multi_turn: ClassVar[bool] = False
 
     def __init__(self, config: Section, seed: int) -> None:
         self.config = config
@@ -43,8 +53,46 @@ class Task(ABC):
 
     @abstractmethod
     def score(self, prompt: Prompt, completion: str, finished: bool) -> Score:
-        """Reward of one completion; `finished` is False when it hit max_new_tokens."""
+        """Reward of one completion; `finished` is False when it hit its token budget."""
 
     @abstractmethod
     def vocabulary(self) -> set[str]:
-        """Every whitespace-separated token the task writes in prompts or expects in answers."""
+        """Every whitespace-separated token the task writes in prompts or expects in answers
+        (a word-level tokenizer must know them all)."""
+
+
+@dataclass
+class EnvReply:
+    """What the environment answers to one model turn."""
+
+    text: str | None  # appended to the context, the model continues; None ends the episode
+    reward: float = 0.0  # the episode's reward (read when it ends)
+    info: dict[str, Scalar] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.text is None
+
+
+class Episode(ABC):
+    """One multi-turn interaction; holds whatever state the environment needs."""
+
+    @abstractmethod
+    def respond(self, model_text: str, finished: bool) -> EnvReply:
+        """The model's latest turn (decoded, `finished` False if cut at its budget) -> reply."""
+
+    @abstractmethod
+    def cut_short(self) -> EnvReply:
+        """The episode ran out of turns or context before it ended: its final reply."""
+
+
+class MultiTurnTask(Task):
+    multi_turn: ClassVar[bool] = True
+    max_turns: int  # model turns per episode at most
+
+    @abstractmethod
+    def start(self, prompt: Prompt) -> Episode:
+        """A fresh episode for one completion of `prompt`."""
+
+    def score(self, prompt: Prompt, completion: str, finished: bool) -> Score:
+        raise TypeError(f"{self.name} is multi-turn: its episodes give the rewards")

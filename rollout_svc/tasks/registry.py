@@ -5,11 +5,13 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from rollout_svc.tasks.base import Task
+from rollout_svc.tasks.calculator import CalculatorTask
+from rollout_svc.tasks.dataset import DatasetTask
 from rollout_svc.tasks.digits import CopyTask, ReverseTask
 from sluice.config.loader import ConfigError, format_validation_error
 from sluice.config.rollout import TaskConfig
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (CopyTask, ReverseTask)}
+TASKS: dict[str, type[Task]] = {t.name: t for t in (CopyTask, ReverseTask, DatasetTask, CalculatorTask)}
 
 
 def build_task(cfg: TaskConfig, seed: int) -> Task:
@@ -20,4 +22,7 @@ def build_task(cfg: TaskConfig, seed: int) -> Task:
         params = cls.Config.model_validate(cfg.params)
     except ValidationError as e:
         raise ConfigError(f"config error: task.params.{format_validation_error(e)}") from None
-    return cls(params, seed)
+    try:
+        return cls(params, seed)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"config error: task.params: {e}") from None

@@ -19,6 +19,10 @@ class ControlConfig(Section):
     when consumed (AReaL's rule; see sluice/control/admission.py)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """How often roles report their live numbers."""
+    service_timeout_s: float = Field(30.0, gt=0)
+    """A rollout service silent this long is gone (killed, crashed): the quota it was admitted
+    for and did not deliver goes back, so the other services keep going. Keep it well above
+    heartbeat_s."""
 
     @property
     def endpoint(self) -> str:

@@ -4,10 +4,17 @@ AReaL's rule, over all rollout services together: a sample may start only while
 
     started <= (v + max_staleness + 1) * batch_size
 
-where `started` counts every sample ever admitted (minus refunds) and `v` is the learner
-version. The learner consumes `batch_size` samples per version, so a sample admitted under
-this rule is consumed at the latest at version v + max_staleness: it is never too stale, and
-rollouts pause instead of generating samples that would be dropped.
+where `started` counts every sample ever admitted (minus refunds) and `v` is the version of
+the newest published weights (admitted work is generated with weights at least that new). The
+learner consumes `batch_size` samples per version, so, consumed in admission order, a sample
+admitted under this rule is consumed at the latest at version v + max_staleness: it is never
+too stale, and rollouts pause instead of generating samples that would be dropped. (A
+straggler overtaken by faster services can still age past the bound; the learner's
+`min_version` filter catches it.)
+
+Quota comes back when admitted samples will never be consumed: refunds (a service aborted or
+filtered them), `release` (the buffer or the learner dropped them as stale), and `forget` (the
+service is gone: what it was admitted but did not deliver).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ class AdmissionPolicy:
     max_staleness: int
     started: int = 0
     refused_asks: int = 0
+    released_gone: int = 0  # samples given back by `forget`
     per_service: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def quota(self, version: int) -> int:
@@ -49,3 +57,12 @@ class AdmissionPolicy:
         n = min(n, self.per_service[service_id])
         self.started -= n
         self.per_service[service_id] -= n
+
+    def forget(self, service_id: str, delivered: int) -> int:
+        """The service is gone; what it was admitted beyond what it delivered never will be.
+        Returns the samples released."""
+        held = self.per_service.pop(service_id, 0)
+        n = max(0, held - max(0, delivered))
+        self.started = max(0, self.started - n)
+        self.released_gone += n
+        return n

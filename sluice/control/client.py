@@ -35,9 +35,16 @@ class ControlClient:
         req = RefundRequest(proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, n=n)
         self.conn.request(req, timeout_s=self.timeout_s)
 
-    def heartbeat(self, service_id: str, role: str, stats: dict[str, float]) -> HeartbeatReply:
+    def heartbeat(
+        self, service_id: str, role: str, stats: dict[str, float], delivered: int = -1
+    ) -> HeartbeatReply:
         req = HeartbeatRequest(
-            proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, role=role, stats=stats
+            proto=PROTO_VERSION,
+            id=self.conn.next_id(),
+            service_id=service_id,
+            role=role,
+            stats=stats,
+            delivered=delivered,
         )
         return self.conn.request(req, timeout_s=self.timeout_s)[0]
 

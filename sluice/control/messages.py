@@ -31,11 +31,14 @@ class RefundRequest(_Request, tag="REFUND"):
 
 
 class HeartbeatRequest(_Request, tag="HEARTBEAT"):
-    """Liveness and live numbers of a role, shown by `sluice status`."""
+    """Liveness and live numbers of a role, shown by `sluice status`. A rollout that stays
+    silent for `control.service_timeout_s` is gone: its admitted samples that it did not
+    deliver go back to the quota."""
 
-    service_id: str  # W: the role (rollout-0, ...). R: learner
+    service_id: str  # W: the role (rollout-0.<incarnation>, ...). R: learner
     role: str = "rollout"
     stats: dict[str, float] = {}  # W: the role, free-form gauges (version, samples_per_s, ...)
+    delivered: int = -1  # W: rollout, samples it PUT so far (this incarnation); -1: not a producer
 
 
 class StatusRequest(_Request, tag="STATUS"):
@@ -64,6 +67,7 @@ class RefundReply(_Reply, tag="REFUND"):
 
 class HeartbeatReply(_Reply, tag="HEARTBEAT"):
     version: int = 0  # learner version
+    weights_version: int = 0  # newest published weights (the sim engine's only "weights")
 
 
 class ServiceStatus(msgspec.Struct):

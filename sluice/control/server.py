@@ -5,6 +5,12 @@ Socket rules: binds `control.endpoint`; rollout services and `sluice status` con
 ErrorReply naming the field and the server keeps serving. The learner thread publishes its
 version and stats through `set_version` / `update_learner` (under a lock); the server thread
 owns the socket.
+
+Membership: a service is known from its first request. One whose last request is older than
+`service_timeout_s` is gone (killed, crashed, partitioned): the server forgets it and gives
+back the quota it was admitted for but did not deliver (as last reported in its heartbeats),
+so the remaining services keep going. A service that comes back starts a new incarnation with
+a new service id.
 """
 
 from __future__ import annotations
@@ -43,10 +49,15 @@ class ControlServer:
         admission: AdmissionPolicy,
         *,
         retry_after_ms: int = 50,
+        service_timeout_s: float = 30.0,
         ctx: zmq.Context | None = None,
     ) -> None:
         self.admission = admission
         self.retry_after_ms = retry_after_ms
+        self.service_timeout_s = service_timeout_s
+        self._last_seen: dict[str, float] = {}
+        self._delivered: dict[str, int] = {}
+        self.services_gone = 0
         self._lock = threading.Lock()
         self._version = 0
         self._published = 0
@@ -93,6 +104,7 @@ class ControlServer:
         try:
             while not self._stop.is_set():
                 if not self.sock.poll(100):
+                    self._forget_gone_services()
                     continue
                 frames = self.sock.recv_multipart(copy=False)
                 envelope, body = split_envelope(frames)
@@ -100,6 +112,7 @@ class ControlServer:
                     continue
                 reply = self._handle(body)
                 self.sock.send_multipart([*envelope, *codec.encode(reply)])
+                self._forget_gone_services()
         finally:
             self.sock.close(linger=0)
 
@@ -120,13 +133,37 @@ class ControlServer:
             log.exception("control server: internal error")
             return codec.error_reply(request_id, "INTERNAL", repr(e))
 
+    def _forget_gone_services(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            gone = [sid for sid, t in self._last_seen.items() if now - t > self.service_timeout_s]
+            for sid in gone:
+                released = self.admission.forget(sid, self._delivered.pop(sid, 0))
+                del self._last_seen[sid]
+                self._services.pop(sid, None)
+                self.services_gone += 1
+                log.warning(
+                    "control: %s silent for %.0fs, gone; released %d samples of quota",
+                    sid,
+                    self.service_timeout_s,
+                    released,
+                )
+
     def _dispatch(self, req):
         p = PROTO_VERSION
+        if hasattr(req, "service_id"):
+            self._last_seen[req.service_id] = time.monotonic()
         if isinstance(req, AdmitRequest):
-            granted = self.admission.admit(req.service_id, req.n, req.group_size, self._version)
+            # Quota follows the published weights: admitted work is generated with them.
+            granted = self.admission.admit(req.service_id, req.n, req.group_size, self._published)
             retry = 0 if granted >= req.n else self.retry_after_ms
             return AdmitReply(
-                proto=p, id=req.id, granted=granted, version=self._version, retry_after_ms=retry
+                proto=p,
+                id=req.id,
+                granted=granted,
+                version=self._version,
+                weights_version=self._published,
+                retry_after_ms=retry,
             )
         if isinstance(req, RefundRequest):
             if req.n < 0:
@@ -135,7 +172,9 @@ class ControlServer:
             return RefundReply(proto=p, id=req.id)
         if isinstance(req, HeartbeatRequest):
             self._services[req.service_id] = (req.role, time.monotonic(), dict(req.stats))
-            return HeartbeatReply(proto=p, id=req.id, version=self._version)
+            if req.delivered >= 0:
+                self._delivered[req.service_id] = req.delivered
+            return HeartbeatReply(proto=p, id=req.id, version=self._version, weights_version=self._published)
         if isinstance(req, StatusRequest):
             now = time.monotonic()
             services = {
@@ -150,8 +189,10 @@ class ControlServer:
                 services=services,
                 admission={
                     "started": float(adm.started),
-                    "quota": float(adm.quota(self._version)),
+                    "quota": float(adm.quota(self._published)),
                     "refused_asks": float(adm.refused_asks),
+                    "released_gone": float(adm.released_gone),
+                    "services_gone": float(self.services_gone),
                 },
             )
         raise codec.ProtocolError("BAD_HEADER", f"unhandled op {type(req).__name__}")

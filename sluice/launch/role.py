@@ -23,9 +23,12 @@ def quiet_libraries() -> None:
     """No per-file progress bars from transformers/huggingface_hub in role logs."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers.utils import logging as hf_logging
+    # transformers reads HF_HUB_DISABLE_PROGRESS_BARS when it is imported; a role that never
+    # imports it (a sim rollout service) must not pay for importing it here.
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
 
 
 def setup_logging(role: str, level: str | None = None) -> None:

@@ -1,0 +1,233 @@
+"""Rollout services as real processes (sim engine: no model, so these run in seconds) against
+a real buffer shard and the real control plane, served by the stand-in learner
+(`rollout_svc/drain.py`): admission control under a slow learner, services joining and
+leaving a running system, and the DAPO zero-variance filter with its quota refunds."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from buffer.client import BufferClient
+from rollout_svc.drain import Drain
+from rollout_svc.service import RolloutService
+from sluice.config.loader import config_from_dict, dump_config
+from sluice.control.client import ControlClient
+from sluice.metrics import read_jsonl
+from sluice.net import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sim_config(tmp_path: Path, shard, **sections):
+    tree = {
+        "run": {"dir": str(tmp_path / "run")},
+        "model": {"init": {"vocab": "digits"}},
+        "task": {"name": "copy", "params": {"length": 3}},
+        "buffer": {"endpoints": [shard.endpoint]},
+        "control": {"port": free_port(), "heartbeat_s": 0.5},
+        "rollout": {
+            "engine": "sim",
+            "services": 2,
+            "group_size": 4,
+            "prompts_per_batch": 1,
+            "max_new_tokens": 4,
+            "sim": {"decode_step_s": 0.01, "decode_s_per_seq": 0.0, "eos_prob": 0.2},
+        },
+        "learner": {"batch_size": 8, "max_staleness": 1},
+    }
+    for key, value in sections.items():
+        tree[key] = {**tree.get(key, {}), **value}
+    cfg = config_from_dict(tree)
+    path = tmp_path / "config.yaml"
+    (tmp_path / "run").mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, path)
+    return cfg, path
+
+
+def start_service(path: Path, index: int, reaper: list) -> subprocess.Popen:
+    """The per-role command, as a cluster or compose would run it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "rollout", str(path), "--index", str(index)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    reaper.append(proc)
+    return proc
+
+
+class DrainThread:
+    def __init__(self, cfg, **kwargs) -> None:
+        self.drain = Drain(cfg, **kwargs)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.drain.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def wait_for(self, predicate, timeout_s: float, procs=()) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate(self.drain.snapshot()):
+            for p in procs:
+                assert p.poll() is None, p.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, f"timed out; drain saw {self.drain.snapshot()}"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+        self.drain.close()
+
+
+def _run_slow_learner(tmp_path, shard_factory, process_reaper, admission: bool):
+    shard = shard_factory()
+    cfg, path = sim_config(tmp_path, shard, control={"admission": admission})
+    drain = DrainThread(cfg, step_s=0.4, filter_stale=False)  # slow, and no consumer filter
+    procs = []
+    try:
+        procs = [start_service(path, i, process_reaper) for i in range(2)]
+        drain.wait_for(lambda s: s.version >= 12, timeout_s=120, procs=procs)
+        stats = drain.drain.snapshot()
+    finally:
+        for p in procs:  # services first: they stop quickly while the control plane answers
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)
+        drain.close()
+    records = [r for i in range(2) for r in read_jsonl(cfg.run_dir / "metrics" / f"rollout-{i}.jsonl")]
+    return stats, sum(r["pause_s"] for r in records)
+
+
+@pytest.mark.slow
+def test_admission_keeps_staleness_within_the_bound_under_a_slow_learner(
+    tmp_path, shard_factory, process_reaper
+):
+    stats, paused_s = _run_slow_learner(tmp_path / "on", shard_factory, process_reaper, admission=True)
+    assert stats.staleness_max <= 1, stats.staleness_hist  # the bound, with no consumer filter
+    assert paused_s > 1.0  # services waited instead of running ahead (the pause metric)
+    # the same system without admission control runs ahead of the learner
+    stats, paused_s = _run_slow_learner(tmp_path / "off", shard_factory, process_reaper, admission=False)
+    assert stats.staleness_max > 1, stats.staleness_hist
+    assert paused_s == 0
+
+
+@pytest.mark.slow
+def test_services_join_and_leave_a_running_system(tmp_path, shard_factory, process_reaper):
+    shard = shard_factory()
+    cfg, path = sim_config(tmp_path, shard, control={"service_timeout_s": 2.0})
+    drain = DrainThread(cfg)
+    control = ControlClient(cfg.control.endpoint, timeout_s=5)
+    try:
+        a, b = (start_service(path, i, process_reaper) for i in range(2))
+        drain.wait_for(lambda s: len(s.per_service) == 2, timeout_s=60, procs=[a, b])
+        os.killpg(a.pid, signal.SIGKILL)  # leave without a word
+        a.wait(timeout=10)
+        drain.wait_for(lambda s: True, timeout_s=1)
+        seen = drain.drain.snapshot()
+        (a_id,) = [sid for sid in seen.per_service if sid.startswith("rollout-0.")]
+        (b_id,) = [sid for sid in seen.per_service if sid.startswith("rollout-1.")]
+        # the other service keeps going, and the control plane notices the one that left
+        drain.wait_for(lambda s: s.per_service[b_id] >= seen.per_service[b_id] + 40, timeout_s=60, procs=[b])
+        deadline = time.monotonic() + 30
+        while control.status().admission["services_gone"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert a_id not in control.status().services
+        # a new service joins with the per-role command and delivers
+        c = start_service(path, 0, process_reaper)
+        drain.wait_for(
+            lambda s: any(k.startswith("rollout-0.") and k != a_id for k in s.per_service), 60, [b, c]
+        )
+        assert drain.drain.snapshot().per_service[a_id] == seen.per_service[a_id]
+    finally:
+        for p in process_reaper:  # services first: they stop quickly while the control plane answers
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in process_reaper:
+            p.wait(timeout=30)
+        control.close()
+        drain.close()
+
+
+class ServiceThread:
+    """One rollout service (sim engine) in a thread of this process, with the stand-in
+    learner serving the control plane only (the test reads the buffer itself)."""
+
+    def __init__(self, cfg) -> None:
+        self.drain = Drain(cfg)
+        self.drain.control.start()
+        self.stop = threading.Event()
+        self.service = RolloutService(cfg, 0, self.stop)
+        self.thread = threading.Thread(target=self.service.run, daemon=True)
+        self.thread.start()
+
+    def run_until(self, predicate, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not predicate(self.service):
+                assert self.thread.is_alive() and time.monotonic() < deadline, self.service._totals
+                time.sleep(0.05)
+        finally:
+            self.stop.set()
+            self.thread.join(timeout=30)
+            self.service.close()
+
+    def buffered(self, cfg) -> list:
+        with BufferClient(cfg.buffer.all_endpoints()) as client:
+            got = client.get(1000, wait_ms=100).trajs
+        self.drain.close()
+        return got
+
+
+def test_overlong_prompts_are_skipped_and_refunded(tmp_path, shard_factory):
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        json.dumps({"prompt": " ".join(["7"] * 20), "answer": "7"})
+        + "\n"
+        + json.dumps({"prompt": "3 =", "answer": "3"})
+        + "\n"
+    )
+    cfg, _ = sim_config(
+        tmp_path,
+        shard_factory(),
+        model={"init": {"vocab": "digits", "max_position_embeddings": 16}},
+        task={"name": "dataset", "params": {"path": str(data), "reward": "exact"}},
+        rollout={"prompts_per_batch": 2, "sim": {"decode_step_s": 0.0, "eos_prob": 0.2}},
+        learner={"batch_size": 64, "max_staleness": 3},
+    )
+    st = ServiceThread(cfg)
+    st.run_until(lambda s: s.overlong_prompts >= 3 and s.delivered >= 8)
+    assert st.drain.control.admission.started == st.service.delivered
+    got = st.buffered(cfg)
+    assert len(got) == st.service.delivered
+    assert all(len(t.arrays["prompt_ids"]) + len(t.arrays["completion_ids"]) <= 16 for t in got)
+
+
+def test_zero_variance_groups_are_dropped_and_their_quota_refunded(tmp_path, shard_factory):
+    shard = shard_factory()
+    cfg, _ = sim_config(
+        tmp_path,
+        shard,
+        rollout={"drop_zero_variance_groups": True, "group_size": 2, "prompts_per_batch": 4, "sim": {
+            "decode_step_s": 0.0, "decode_s_per_seq": 0.0, "call_s": 0.0, "eos_prob": 0.2}},
+        learner={"batch_size": 64, "max_staleness": 3},
+    )  # fmt: skip
+    st = ServiceThread(cfg)
+    st.run_until(lambda s: s._totals["dropped_groups"] >= 5 and s.delivered >= 16)
+    assert st.drain.control.admission.started == st.service.delivered  # dropped groups' quota came back
+    got = st.buffered(cfg)
+    assert len(got) == st.service.delivered
+    groups: dict[str, list[float]] = {}
+    for t in got:
+        groups.setdefault(t.group_id, []).append(t.reward)
+    assert all(max(r) > min(r) for r in groups.values())
