@@ -3,12 +3,17 @@
 For each trajectory size, in the same run:
 - raw ZeroMQ PUSH -> PULL over tcp loopback moving the same bytes (one message per trajectory,
   zero-copy send): the ceiling for anything built on ZeroMQ;
+- raw ZeroMQ PUSH -> relay process -> PULL: the same bytes over the same topology as a buffer
+  (producer -> shard -> consumer, two hops through a middle process), with no buffer logic:
+  the ceiling for any buffer that is its own process;
 - ray.util.queue.Queue (an actor-backed queue, what verl and OpenRLHF use) moving numpy arrays
   of the same size from a Ray task to the driver;
 - Sluice: a producer process PUTs (batched), the consumer (this process) GETs and ACKs, with
   shard processes writing their durable log (fsync policy `--fsync`, default none).
 Throughput is trajectories (and payload MB) per second from the first PUT to the last GET.
-Then one shard is filled to capacity to measure its memory (RSS) per stored byte.
+CPU s/GB is the CPU time (user + system) of every process of the case (sender/producer,
+relay/shards, receiver/consumer) per GB moved: unlike throughput it hardly depends on what
+else loads the machine. Then one shard is filled to capacity to measure its memory (RSS).
 
     python benchmarks/buffer_throughput.py            # a couple of minutes
     python benchmarks/buffer_throughput.py --quick    # seconds (the smoke test uses it)
@@ -44,13 +49,14 @@ SIZE_NAMES = {"1KB": KB, "16KB": 16 * KB, "256KB": 256 * KB, "4MB": 4 * MB}
 
 @dataclass
 class Case:
-    system: str  # raw_zmq | ray_queue | sluice
+    system: str  # raw_zmq | raw_zmq_relay | ray_queue | sluice
     shards: int
     size: int
     n: int
     seconds: float
     batch: int = 1
     note: str = ""
+    cpu_s: float | None = None  # CPU time of every process of the case (None: not measured)
 
     @property
     def trajs_per_s(self) -> float:
@@ -59,6 +65,10 @@ class Case:
     @property
     def mb_per_s(self) -> float:
         return self.n * self.size / self.seconds / MB
+
+    @property
+    def cpu_s_per_gb(self) -> float | None:
+        return None if self.cpu_s is None else self.cpu_s / (self.n * self.size / (1 << 30))
 
 
 @dataclass
@@ -99,6 +109,27 @@ def free_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
+class CpuMeter:
+    """CPU time (user + system, threads included) of this process and the given children."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.procs = [psutil.Process()] + [psutil.Process(p) for p in pids]
+        self.start = self._now()
+
+    def _now(self) -> list[float]:
+        out = []
+        for p in self.procs:
+            try:
+                t = p.cpu_times()
+                out.append(t.user + t.system)
+            except psutil.NoSuchProcess:
+                out.append(float("nan"))
+        return out
+
+    def used(self) -> float:
+        return sum(b - a for a, b in zip(self.start, self._now()))
+
+
 # -- raw ZeroMQ --------------------------------------------------------------------------------
 
 
@@ -114,7 +145,22 @@ def _raw_sender(endpoint: str, size: int, n: int) -> None:
     ctx.term()
 
 
-def bench_raw_zmq(size: int, n: int) -> Case:
+def _raw_relay(bind_in: str, connect_out: str, n: int) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (pull, push):
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+    pull.bind(bind_in)
+    push.connect(connect_out)
+    for _ in range(n):
+        push.send(pull.recv(copy=False), copy=False)
+    pull.close()
+    push.close(linger=-1)
+    ctx.term()
+
+
+def bench_raw_zmq(size: int, n: int, relay: bool = False) -> Case:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 1000)
@@ -122,26 +168,37 @@ def bench_raw_zmq(size: int, n: int) -> Case:
     endpoint = free_endpoint()
     sock.bind(endpoint)
     warm = max(1, n // 20)
-    proc = mp.get_context("spawn").Process(target=_raw_sender, args=(endpoint, size, n + warm))
-    proc.start()
+    ctx_mp = mp.get_context("spawn")
+    procs = [ctx_mp.Process(target=_raw_sender, args=(endpoint, size, n + warm))]
+    if relay:
+        relay_in = free_endpoint()
+        procs = [
+            ctx_mp.Process(target=_raw_relay, args=(relay_in, endpoint, n + warm)),
+            ctx_mp.Process(target=_raw_sender, args=(relay_in, size, n + warm)),
+        ]
+    for p in procs:
+        p.start()
     try:
         for _ in range(warm):
             if not sock.poll(60_000):
                 raise TimeoutError("raw zmq: sender silent")
             sock.recv(copy=False)
+        meter = CpuMeter([p.pid for p in procs])
         t0 = time.perf_counter()
         for _ in range(n):
             if not sock.poll(60_000):
                 raise TimeoutError("raw zmq: sender silent")
             sock.recv(copy=False)
         seconds = time.perf_counter() - t0
+        cpu = meter.used()
     finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
         sock.close()
         ctx.term()
-    return Case("raw_zmq", 0, size, n, seconds)
+    return Case("raw_zmq_relay" if relay else "raw_zmq", 0, size, n, seconds, cpu_s=cpu)
 
 
 # -- Ray queue ---------------------------------------------------------------------------------
@@ -203,13 +260,18 @@ def _producer_main(endpoints: list[str], size: int, n: int, batch: int, go, done
     from buffer.client import BufferClient
     from sluice.trajectory import Trajectory
 
-    payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    # One buffer, a distinct view of it per trajectory (as a rollout's arrays are distinct):
+    # no copies, and numpy does not pile up buffer exports on one shared array.
+    block = np.random.default_rng(0).integers(0, 255, size * batch, dtype=np.uint8)
+    views = [block[j * size : (j + 1) * size] for j in range(batch)]
     run = uuid.uuid4().hex[:8]
     with BufferClient(endpoints, timeout_s=60, put_give_up_s=300) as client:
         go.wait()
         for start in range(0, n, batch):
             trajs = [
-                Trajectory(traj_id=f"{run}-{i}", group_id=f"{run}-{i}", version=0, arrays={"x": payload})
+                Trajectory(
+                    traj_id=f"{run}-{i}", group_id=f"{run}-{i}", version=0, arrays={"x": views[i - start]}
+                )
                 for i in range(start, min(n, start + batch))
             ]
             client.put(trajs)
@@ -272,11 +334,12 @@ def bench_sluice(shards: int, size: int, n: int, fsync: str, durable: bool = Tru
         with BufferClient(fleet.cfg.endpoints, timeout_s=60) as client:
             got = 0
             time.sleep(0.5)  # let the producer connect
+            meter = CpuMeter([producer.pid] + [p.pid for p in fleet.procs])
             go.set()
             t0 = time.perf_counter()
             idle_since = time.monotonic()
             while got < n:
-                leased = client.get(max(batch, 16) * 2, wait_ms=200)
+                leased = client.get(2 * batch, wait_ms=200)
                 if leased.trajs:
                     got += len(leased.trajs)
                     client.ack(leased)
@@ -284,13 +347,14 @@ def bench_sluice(shards: int, size: int, n: int, fsync: str, durable: bool = Tru
                 elif time.monotonic() - idle_since > 60:
                     raise TimeoutError(f"sluice: no data for 60 s after {got}/{n}")
             seconds = time.perf_counter() - t0
+            cpu = meter.used()
         producer.join(timeout=60)
     finally:
         if producer.is_alive():
             producer.kill()
         fleet.close()
     note = f"log, fsync={fsync}" if durable else "no log"
-    return Case("sluice", shards, size, n, seconds, batch=batch, note=note)
+    return Case("sluice", shards, size, n, seconds, batch=batch, note=note, cpu_s=cpu)
 
 
 def measure_memory(size: int, capacity: int) -> MemoryPoint:
@@ -340,11 +404,24 @@ def report(results: Results, console: Console) -> None:
     for c in results.cases:
         by_size.setdefault(c.size, {})[f"{c.system}/{c.shards}/{c.note}"] = c
     table = Table(title="Buffer throughput: PUT + GET + ACK (sluice) vs raw ZeroMQ and Ray queue")
-    for col in ("size", "system", "shards", "PUT batch", "trajs/s", "MB/s", "vs raw zmq", "vs ray queue"):
-        table.add_column(col, justify="right" if col not in ("system",) else "left")
+    cols = (
+        "size",
+        "system",
+        "shards",
+        "batch",
+        "trajs/s",
+        "MB/s",
+        "vs raw",
+        "vs relay",
+        "vs ray",
+        "CPU s/GB",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col == "system" else "right")
     for size in sorted(by_size):
         cases = by_size[size]
         raw = next((c for c in cases.values() if c.system == "raw_zmq"), None)
+        relay = next((c for c in cases.values() if c.system == "raw_zmq_relay"), None)
         ray = next((c for c in cases.values() if c.system == "ray_queue"), None)
         for c in cases.values():
             name = c.system if not c.note else f"{c.system} ({c.note})"
@@ -356,7 +433,9 @@ def report(results: Results, console: Console) -> None:
                 f"{c.trajs_per_s:,.0f}",
                 f"{c.mb_per_s:,.1f}",
                 f"{c.mb_per_s / raw.mb_per_s:.0%}" if raw else "-",
+                f"{c.mb_per_s / relay.mb_per_s:.0%}" if relay else "-",
                 f"{c.mb_per_s / ray.mb_per_s:.1f}x" if ray else "-",
+                f"{c.cpu_s_per_gb:.2f}" if c.cpu_s_per_gb is not None else "-",
             )
     console.print(table)
     if results.memory:
@@ -378,7 +457,10 @@ def report(results: Results, console: Console) -> None:
 
 def to_json(results: Results) -> dict:
     return {
-        "cases": [asdict(c) | {"trajs_per_s": c.trajs_per_s, "mb_per_s": c.mb_per_s} for c in results.cases],
+        "cases": [
+            asdict(c) | {"trajs_per_s": c.trajs_per_s, "mb_per_s": c.mb_per_s, "cpu_s_per_gb": c.cpu_s_per_gb}
+            for c in results.cases
+        ],
         "memory": [asdict(m) | {"overhead": m.overhead} for m in results.memory],
         "machine": results.machine,
     }
@@ -420,6 +502,7 @@ def main() -> None:
             n = count_for(size, budget, lo, hi)
             console.print(f"[bold]{size_name(size)}[/]: {n} trajectories per case")
             results.cases.append(bench_raw_zmq(size, n))
+            results.cases.append(bench_raw_zmq(size, n, relay=True))
             if ray is not None:
                 results.cases.append(ray.run(size, count_for(size, ray_budget, lo // 2, hi // 4)))
             for shards in shard_counts:

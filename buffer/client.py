@@ -275,7 +275,10 @@ class BufferClient:
         by_shard: dict[int, list[_OutGroup]] = {}
         for g in todo:
             if not g.pinned:
-                g.shard = self._place(g.group_id, now)
+                pinned = self._placement.get(g.group_id)
+                g.shard, g.pinned = (
+                    (pinned, True) if pinned is not None else (self._place(g.group_id, now), False)
+                )
             by_shard.setdefault(g.shard, []).append(g)
         messages = []
         for groups in by_shard.values():
@@ -294,9 +297,7 @@ class BufferClient:
         return messages
 
     def _place(self, group_id: str, now: float) -> int:
-        pinned = self._placement.get(group_id)
-        if pinned is not None:
-            return pinned
+        """Shard of a new group: its home if that is up, else the first live one in its order."""
         home = shard_of(group_id, self.n_shards)
         if self.links[home].available(now):
             return home

@@ -33,7 +33,9 @@ class DedupeWindow:
         self.previous: set[int] = set()
 
     def __contains__(self, traj_id: str) -> bool:
-        h = id_hash(traj_id)
+        return self.has_hash(id_hash(traj_id))
+
+    def has_hash(self, h: int) -> bool:
         return h in self.current or h in self.previous
 
     def __len__(self) -> int:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from buffer.dedupe import DedupeWindow
-from sluice.wire.codec import Frame, frame_bytes
+from buffer.dedupe import DedupeWindow, id_hash
+from sluice.wire.codec import Frame
 from sluice.wire.messages import TrajectoryMeta
 
 
@@ -65,7 +65,7 @@ class PreparedPut:
     groups: list[Group]
     duplicates: int
     evicted: list[int] = field(default_factory=list)  # replay: seqs the commit will evict
-    new_ids: list[str] = field(default_factory=list)
+    new_hashes: list[int] = field(default_factory=list)  # dedupe hashes of the stored traj_ids
 
     @property
     def accepted(self) -> int:
@@ -85,14 +85,15 @@ def assemble_groups(
     """Drop already-seen trajectories, check that every group's new members are all present,
     and number the groups from `first_seq` in order of first appearance. Changes nothing."""
     by_group: dict[tuple[str, str], list[StoredTrajectory]] = {}
-    batch_ids: set[str] = set()
+    batch_hashes: set[int] = set()
     duplicates = 0
     for meta, fr in zip(metas, frames):
-        if meta.traj_id in batch_ids or meta.traj_id in dedupe:
+        h = id_hash(meta.traj_id)
+        if h in batch_hashes or dedupe.has_hash(h):
             duplicates += 1
             continue
-        batch_ids.add(meta.traj_id)
-        nbytes = sum(len(frame_bytes(f)) for f in fr)
+        batch_hashes.add(h)
+        nbytes = sum(_nbytes(f) for f in fr)
         by_group.setdefault((meta.policy_id, meta.group_id), []).append(
             StoredTrajectory(meta=meta, frames=list(fr), nbytes=nbytes)
         )
@@ -108,4 +109,9 @@ def assemble_groups(
             )
         version = min(t.meta.version for t in trajs)
         groups.append(Group(first_seq + len(groups), group_id, policy_id, version, trajs))
-    return PreparedPut(groups=groups, duplicates=duplicates, new_ids=list(batch_ids))
+    return PreparedPut(groups=groups, duplicates=duplicates, new_hashes=list(batch_hashes))
+
+
+def _nbytes(frame: Frame) -> int:
+    """Bytes of a payload frame: a zmq.Frame or bytes (len is bytes), or a memoryview."""
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)

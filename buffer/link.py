@@ -34,6 +34,7 @@ from sluice.wire import codec
 from sluice.wire.messages import ErrorReply
 
 MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+RECONNECT_GRACE_S = 0.25
 
 
 class NotSent(RpcTimeout):
@@ -50,7 +51,7 @@ class Backoff:
     max_s: float = 2.0
 
     def delay(self, failures: int) -> float:
-        base = min(self.max_s, self.initial_s * 2 ** max(0, failures - 1))
+        base = min(self.max_s, self.initial_s * 2 ** min(max(0, failures - 1), 30))
         return base * random.uniform(0.5, 1.0)
 
 
@@ -101,9 +102,11 @@ class ShardLink:
         self._open()
 
     def _open(self) -> None:
-        self.sock = client_socket(self.ctx, self.endpoint, hwm=self.hwm)
-        self.monitor = self.sock.get_monitor_socket(MONITOR_EVENTS)
+        self.sock, self.monitor = client_socket(
+            self.ctx, self.endpoint, hwm=self.hwm, monitor_events=MONITOR_EVENTS
+        )
         self.connected = False
+        self.saw_disconnect = False  # since the last handshake of this socket
         self.opened_at = time.monotonic()
 
     def close(self) -> None:
@@ -141,8 +144,10 @@ class ShardLink:
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected = self.ever_connected = True
+                self.saw_disconnect = False
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
+                self.saw_disconnect = True
                 self.mark_failed(time.monotonic())
                 self._fail_pending(Lost(f"{self.name}: connection lost with the request in flight"))
 
@@ -160,19 +165,28 @@ class ShardLink:
         """Send `call` (its header's id must come from `next_id`), or finish it with NotSent."""
         call.link = self
         self.pump_events()
-        if not self.connected and not self.ever_connected:
-            # A new client: give the first connection a moment before calling the shard down.
-            wait_s = self.first_connect_s - (time.monotonic() - self.opened_at)
+        if not self.connected:
+            # A new socket (a new client, or one just reset) gets a moment to connect before
+            # the shard is called down: the first connection longer, a reconnect briefly.
+            grace = (
+                self.first_connect_s
+                if not self.ever_connected
+                else min(self.first_connect_s, RECONNECT_GRACE_S)
+            )
+            wait_s = grace - (time.monotonic() - self.opened_at)
             if wait_s > 0 and self.monitor.poll(int(wait_s * 1000)):
                 self.pump_events()
-        if self.connected and self._send_now(call):
+        # Try even if no handshake was seen (unless a disconnect was: a send can still slip into
+        # the dying pipe and vanish): with IMMEDIATE a send that is taken proves a connection.
+        if (self.connected or not self.saw_disconnect) and self._send_now(call, 200 if self.connected else 0):
+            self.connected = self.ever_connected = True
             call.deadline = time.monotonic() + call.timeout_s
             self.pending[call.header.id] = call
             return
         self.mark_failed(time.monotonic())
         call.finish(error=NotSent(f"{self.name}: not connected; request not sent"))
 
-    def _send_now(self, call: Call) -> bool:
+    def _send_now(self, call: Call, wait_ms: int) -> bool:
         frames = [b"", *codec.encode(call.header, call.payload)]
         for attempt in range(2):
             try:
@@ -180,7 +194,7 @@ class ShardLink:
                 return True
             except zmq.Again:
                 # The handshake event can precede the pipe's attachment by a moment.
-                if attempt == 0 and not self.sock.poll(200, zmq.POLLOUT):
+                if attempt == 0 and not self.sock.poll(wait_ms, zmq.POLLOUT):
                     return False
         return False
 

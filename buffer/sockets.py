@@ -26,12 +26,17 @@ def shard_socket(ctx: zmq.Context, bind_endpoint: str, *, max_message_bytes: int
     return sock
 
 
-def client_socket(ctx: zmq.Context, endpoint: str, *, hwm: int) -> zmq.Socket:
-    """A client's DEALER to one shard, connected. IMMEDIATE: a send is refused (zmq.Again) while
-    the connection is not up, so a client knows a request was not sent and may route elsewhere."""
+def client_socket(
+    ctx: zmq.Context, endpoint: str, *, hwm: int, monitor_events: int
+) -> tuple[zmq.Socket, zmq.Socket]:
+    """A client's DEALER to one shard, connected, and its monitor (a PAIR receiving
+    `monitor_events`), attached before the connect so that no connection event is missed.
+    IMMEDIATE: a send is refused (zmq.Again) while the connection is not up, so a client knows
+    a request was not sent and may route elsewhere."""
     sock = zmq_socket(ctx, zmq.DEALER, hwm=hwm)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    monitor = sock.get_monitor_socket(monitor_events)
     sock.connect(endpoint)
-    return sock
+    return sock, monitor

@@ -77,7 +77,7 @@ class ShardStore(ABC):
             self._insert(group)
         if prepared.groups:
             self.next_seq = prepared.groups[-1].seq + 1
-        self.dedupe.add_many(prepared.new_ids)
+        self.dedupe.add_hashes(prepared.new_hashes)
         self.counters.put_trajs += prepared.accepted
         self.counters.duplicates += prepared.duplicates
 
