@@ -256,7 +256,7 @@ def _shard_main(cfg_json: str, shard: int, log_dir: str | None, ready, stop) -> 
     server.serve(stop_flag)
 
 
-def _producer_main(endpoints: list[str], size: int, n: int, batch: int, go, done) -> None:
+def _producer_main(endpoints: list[str], size: int, n: int, batch: int, ready, go, done) -> None:
     from buffer.client import BufferClient
     from sluice.trajectory import Trajectory
 
@@ -266,6 +266,8 @@ def _producer_main(endpoints: list[str], size: int, n: int, batch: int, go, done
     views = [block[j * size : (j + 1) * size] for j in range(batch)]
     run = uuid.uuid4().hex[:8]
     with BufferClient(endpoints, timeout_s=60, put_give_up_s=300) as client:
+        client.ping(timeout_s=30)  # connected to every shard before the clock starts
+        ready.set()
         go.wait()
         for start in range(0, n, batch):
             trajs = [
@@ -327,13 +329,15 @@ def bench_sluice(shards: int, size: int, n: int, fsync: str, durable: bool = Tru
         shards, fsync, durable, capacity=capacity, capacity_bytes=max(1 << 30, 8 * batch * size)
     )
     ctx = mp.get_context("spawn")
-    go, done = ctx.Event(), ctx.Event()
-    producer = ctx.Process(target=_producer_main, args=(fleet.cfg.endpoints, size, n, batch, go, done))
+    ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
+    producer = ctx.Process(target=_producer_main, args=(fleet.cfg.endpoints, size, n, batch, ready, go, done))
     producer.start()
     try:
         with BufferClient(fleet.cfg.endpoints, timeout_s=60) as client:
             got = 0
-            time.sleep(0.5)  # let the producer connect
+            client.ping(timeout_s=30)
+            if not ready.wait(120):
+                raise TimeoutError("producer did not start")
             meter = CpuMeter([producer.pid] + [p.pid for p in fleet.procs])
             go.set()
             t0 = time.perf_counter()

@@ -24,7 +24,7 @@ __all__ = ["FifoStore", "GroupIncomplete", "Lease", "ShardFull", "StoreCounters"
 SETTLED_LEASES_KEPT = 4096
 
 
-@dataclass
+@dataclass(slots=True)
 class Lease:
     lease_id: str
     groups: list[Group]

@@ -26,14 +26,14 @@ class PutTooLarge(ValueError):
     """The PUT can never fit in this shard, whatever is consumed first."""
 
 
-@dataclass
+@dataclass(slots=True)
 class StoredTrajectory:
     meta: TrajectoryMeta
     frames: list[Frame]
     nbytes: int
 
 
-@dataclass
+@dataclass(slots=True)
 class Group:
     seq: int  # shard-local, increasing in PUT order; the log's and PRIORITY's key of the group
     group_id: str
