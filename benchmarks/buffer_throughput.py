@@ -10,7 +10,9 @@ For each trajectory size, in the same run:
   of the same size from a Ray task to the driver;
 - Sluice: a producer process PUTs (batched), the consumer (this process) GETs and ACKs, with
   shard processes writing their durable log (fsync policy `--fsync`, default none).
-Throughput is trajectories (and payload MB) per second from the first PUT to the last GET.
+Throughput is trajectories (and payload MB) per second, measured after a warm-up (as for the
+baselines): for Sluice, enough data for each shard's log to compact once and start reusing
+its segment files (the steady state of a long run; `SHARD_LOG` below).
 CPU s/GB is the CPU time (user + system) of every process of the case (sender/producer,
 relay/shards, receiver/consumer) per GB moved: unlike throughput it hardly depends on what
 else loads the machine. Then one shard is filled to capacity to measure its memory (RSS).
@@ -45,6 +47,7 @@ from rich.table import Table
 KB = 1024
 MB = 1024 * 1024
 SIZE_NAMES = {"1KB": KB, "16KB": 16 * KB, "256KB": 256 * KB, "4MB": 4 * MB}
+SHARD_LOG = {"compact_min_bytes": 128 * MB, "segment_bytes": 32 * MB}  # log settings of the shards
 
 
 @dataclass
@@ -256,6 +259,12 @@ def _shard_main(cfg_json: str, shard: int, log_dir: str | None, ready, stop) -> 
     server.serve(stop_flag)
 
 
+def warmup_count(size: int, shards: int, n: int) -> int:
+    """Trajectories pushed through before timing: a compaction cycle per shard (bounded)."""
+    cycle = SHARD_LOG["compact_min_bytes"] + 2 * SHARD_LOG["segment_bytes"]
+    return int(min(20000, max(n // 20, cycle * shards // size)))
+
+
 def _producer_main(endpoints: list[str], size: int, n: int, batch: int, ready, go, done) -> None:
     from buffer.client import BufferClient
     from sluice.trajectory import Trajectory
@@ -295,6 +304,7 @@ class ShardFleet:
             capacity=capacity,
             capacity_bytes=capacity_bytes,
             log_dir=str(self.tmp),
+            **SHARD_LOG,
         )
         ctx = mp.get_context("spawn")
         self.stop = ctx.Event()
@@ -330,7 +340,11 @@ def bench_sluice(shards: int, size: int, n: int, fsync: str, durable: bool = Tru
     )
     ctx = mp.get_context("spawn")
     ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
-    producer = ctx.Process(target=_producer_main, args=(fleet.cfg.endpoints, size, n, batch, ready, go, done))
+    warm = warmup_count(size, shards, n) if durable else max(1, n // 20)
+    total = warm + n
+    producer = ctx.Process(
+        target=_producer_main, args=(fleet.cfg.endpoints, size, total, batch, ready, go, done)
+    )
     producer.start()
     try:
         with BufferClient(fleet.cfg.endpoints, timeout_s=60) as client:
@@ -338,20 +352,26 @@ def bench_sluice(shards: int, size: int, n: int, fsync: str, durable: bool = Tru
             client.ping(timeout_s=30)
             if not ready.wait(120):
                 raise TimeoutError("producer did not start")
-            meter = CpuMeter([producer.pid] + [p.pid for p in fleet.procs])
             go.set()
-            t0 = time.perf_counter()
             idle_since = time.monotonic()
-            while got < n:
+            meter, t0, counted_from = None, 0.0, 0
+            while got < total:
+                if meter is None and got >= warm:
+                    meter, t0, counted_from = (
+                        CpuMeter([producer.pid] + [p.pid for p in fleet.procs]),
+                        time.perf_counter(),
+                        got,
+                    )
                 leased = client.get(2 * batch, wait_ms=200)
                 if leased.trajs:
                     got += len(leased.trajs)
                     client.ack(leased)
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > 60:
-                    raise TimeoutError(f"sluice: no data for 60 s after {got}/{n}")
+                    raise TimeoutError(f"sluice: no data for 60 s after {got}/{total}")
             seconds = time.perf_counter() - t0
             cpu = meter.used()
+            n = got - counted_from
         producer.join(timeout=60)
     finally:
         if producer.is_alive():

@@ -5,8 +5,10 @@ A record on disk is
     header  msgpack map, one of the `*Record` structs below (tagged by "kind")
     payload raw bytes (PUT: the trajectories' array frames in header order; SNAPSHOT: uint64
             dedupe hashes)
-all little-endian. The checksum is xxh3-64 over the two lengths, the header and the payload:
-a torn write (power loss mid-record) or a flipped bit is detected, never loaded.
+all little-endian. The checksum is xxh3-64, seeded with the segment's number, over the two
+lengths, the header and the payload: a torn write (power loss mid-record) or a flipped bit is
+detected, never loaded, and so is a record left over from a recycled file's previous life
+(another segment number, another seed). A closed segment ends with a SEAL record.
 Payload frames are written straight from the received ZeroMQ frames with `os.writev`: the
 log path copies no array bytes in user space.
 """
@@ -70,7 +72,11 @@ class SnapshotRecord(msgspec.Struct, tag_field="kind", tag="snapshot", forbid_un
     settled: dict[str, int] = {}  # recently ACKed lease ids -> trajectories
 
 
-Record = PutRecord | AckRecord | DropRecord | PriorityRecord | SnapshotRecord
+class SealRecord(msgspec.Struct, tag_field="kind", tag="seal", forbid_unknown_fields=True):
+    """The segment ends here; bytes after it (a recycled file's old contents) mean nothing."""
+
+
+Record = PutRecord | AckRecord | DropRecord | PriorityRecord | SnapshotRecord | SealRecord
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -80,12 +86,15 @@ class CorruptRecord(Exception):
     """A record that fails its checks (torn write, bad checksum, wrong magic, bad header)."""
 
 
-def encode_record(header: Record, payload: Sequence[Frame] = ()) -> tuple[list[memoryview | bytes], int]:
-    """The iovecs of one record and their total length. Payload frames are not copied."""
+def encode_record(
+    header: Record, payload: Sequence[Frame] = (), *, seed: int
+) -> tuple[list[memoryview | bytes], int]:
+    """The iovecs of one record of segment `seed` and their total length. Payload frames are
+    not copied."""
     head = _encoder.encode(header)
     views = [frame_bytes(f) for f in payload]
     payload_len = sum(v.nbytes for v in views)
-    digest = xxhash.xxh3_64(LENGTHS.pack(len(head), payload_len))
+    digest = xxhash.xxh3_64(LENGTHS.pack(len(head), payload_len), seed=seed)
     digest.update(head)
     for v in views:
         digest.update(v)
@@ -110,9 +119,9 @@ def write_all(fd: int, buffers: list[memoryview | bytes]) -> int:
     return written
 
 
-def read_record(fh, max_bytes: int) -> tuple[Record, memoryview, int] | None:
-    """The next record of an open segment: (header, payload, bytes read), or None at a clean
-    end of file. Raises CorruptRecord for anything else."""
+def read_record(fh, max_bytes: int, *, seed: int) -> tuple[Record, memoryview, int] | None:
+    """The next record of an open segment numbered `seed`: (header, payload, bytes read), or
+    None at a clean end of file. Raises CorruptRecord for anything else."""
     prefix = fh.read(PREFIX.size)
     if not prefix:
         return None
@@ -127,7 +136,7 @@ def read_record(fh, max_bytes: int) -> tuple[Record, memoryview, int] | None:
     got = fh.readinto(body)
     if got != len(body):
         raise CorruptRecord(f"truncated record: {got} of {len(body)} bytes")
-    digest = xxhash.xxh3_64(LENGTHS.pack(head_len, payload_len))
+    digest = xxhash.xxh3_64(LENGTHS.pack(head_len, payload_len), seed=seed)
     digest.update(body)
     if digest.intdigest() != checksum:
         raise CorruptRecord("checksum mismatch")

@@ -1,7 +1,13 @@
 """The durable log of one shard: append-only segment files, fsync policy, recovery, compaction.
 
 Files in the shard's log directory: `<n>.seg` (n increasing, 12 digits). Records are appended
-to the newest segment; past `segment_bytes` it is closed and the next one started.
+to the newest segment; past `segment_bytes` it is sealed (a SEAL record), closed, and the next
+one started. Segments that compaction retires are kept (`<n>.free`, enough to hold what is written between
+two compactions: `compact_min_bytes / segment_bytes + 2` files) and reused for new segments,
+overwritten from the start: on this class of machine writing
+pages already in the page cache costs ~0.2 CPU s/GB, new pages ~2.9 (measured), so recycling
+makes the log several times cheaper in steady state. A record's checksum is seeded with its
+segment's number, so what a recycled file held before is never mistaken for records.
 
 What is logged, and why that is enough to rebuild the shard (see `recover`):
 - PUT: the stored groups with their frames (and, replay, the seqs the PUT evicted). Written
@@ -22,8 +28,10 @@ Compaction keeps the log bounded: when it outgrows `compact_ratio` times the byt
 (and `compact_min_bytes`), the shard captures its live state, starts a new segment for further
 writes, and a background thread writes the captured state as a snapshot segment numbered just
 before it (tmp file, fsync, rename, fsync dir). Once it is in place the older segments are
-deleted. Recovery starts from the newest snapshot segment; a crash at any step leaves either
-the old segments (still complete) or the snapshot.
+retired. Recovery starts from the newest snapshot segment; a crash at any step leaves either
+the old segments (still complete) or the snapshot. Recovery reads each segment up to its SEAL;
+the last segment may end without one (the shard died): it ends at its first bad record (a torn
+write), and recovery seals it there.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from buffer.log_records import (
     PriorityRecord,
     PutRecord,
     Record,
+    SealRecord,
     SnapshotRecord,
     encode_record,
     read_record,
@@ -168,13 +177,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def recycle_keep(cfg: BufferConfig) -> int:
+    """Retired segment files kept for reuse: what the log writes between two compactions."""
+    return cfg.compact_min_bytes // cfg.segment_bytes + 2
+
+
+def _record_bytes(record: Record, seed: int) -> bytes:
+    return b"".join(bytes(b) for b in encode_record(record, seed=seed)[0])
+
+
 class SegmentLog(ExperienceLog):
     def __init__(self, directory: Path, cfg: BufferConfig) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
-        self.segments: list[int] = []  # numbers of closed segments still on disk
-        self.segment_bytes: dict[int, int] = {}
+        self.segments: list[int] = []  # numbers of closed segments still in the log
+        self.segment_bytes: dict[int, int] = {}  # their valid length (a recycled file may be longer)
+        self.pool: list[Path] = []  # retired segment files waiting to be reused
+        self.pool_max = recycle_keep(cfg)
         self.active: int | None = None
         self.fd = -1
         self.active_bytes = 0
@@ -191,6 +211,7 @@ class SegmentLog(ExperienceLog):
             "compactions": 0,
             "compaction_errors": 0,
             "log_write_errors": 0,
+            "log_recycled": 0,
         }
 
     # -- recovery ------------------------------------------------------------------------------
@@ -199,20 +220,22 @@ class SegmentLog(ExperienceLog):
         """Rebuild the state from the segments on disk, then open a fresh segment for writes."""
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink()
+        self.pool = sorted(self.dir.glob("*.free"))
         numbers = sorted(int(p.stem) for p in self.dir.glob("*.seg"))
         start = self._newest_snapshot(numbers)
         for n in [n for n in numbers if n < start]:
-            (self.dir / _segment_name(n)).unlink()  # replaced by a snapshot: finish that cleanup
+            self._retire(n)  # replaced by a snapshot: finish that cleanup
         numbers = [n for n in numbers if n >= start]
         state = RecoveredState()
         live: dict[int, Group] = {}
         for i, n in enumerate(numbers):
-            self._replay_segment(n, live, state, last=i == len(numbers) - 1)
+            self.segment_bytes[n] = self._replay_segment(n, live, state, last=i == len(numbers) - 1)
         state.groups = [live[s] for s in sorted(live)]
         state.priorities = {s: p for s, p in state.priorities.items() if s in live}
         self.segments = numbers
-        self.segment_bytes = {n: (self.dir / _segment_name(n)).stat().st_size for n in numbers}
-        self._open_segment((numbers[-1] + 1) if numbers else 1)
+        self._open_segment(
+            (max([*numbers, *(int(p.stem) for p in self.pool)]) + 1) if numbers or self.pool else 1
+        )
         if numbers:
             log.info(
                 "recovered %d groups (%d records, %d segments) from %s",
@@ -228,34 +251,50 @@ class SegmentLog(ExperienceLog):
             path = self.dir / _segment_name(n)
             try:
                 with path.open("rb") as fh:
-                    first = read_record(fh, path.stat().st_size)
+                    first = read_record(fh, path.stat().st_size, seed=n)
             except CorruptRecord:
                 continue
             if first is not None and isinstance(first[0], SnapshotRecord):
                 return n
         return numbers[0] if numbers else 0
 
-    def _replay_segment(self, n: int, live: dict[int, Group], state: RecoveredState, last: bool) -> None:
+    def _replay_segment(self, n: int, live: dict[int, Group], state: RecoveredState, last: bool) -> int:
+        """Fold segment `n` into the state; returns its valid length (sealing it if it had no seal)."""
         path = self.dir / _segment_name(n)
         size = path.stat().st_size
         offset = 0
         with path.open("rb") as fh:
             while True:
                 try:
-                    item = read_record(fh, size - offset)
-                    if item is not None:
+                    item = read_record(fh, size - offset, seed=n)
+                    if item is not None and not isinstance(item[0], SealRecord):
                         _apply(item[0], item[1], live, state)
                 except CorruptRecord as e:
                     if not last:
                         raise LogCorrupt(f"{path} at byte {offset}: {e}") from None
-                    log.warning("%s: cutting a torn tail at byte %d (%s)", path, offset, e)
+                    log.warning(
+                        "%s: the log ends at byte %d (%s): a torn or never-written tail", path, offset, e
+                    )
                     state.truncated_bytes += size - offset
-                    os.truncate(path, offset)
-                    return
+                    break
                 if item is None:
-                    return
+                    break
                 offset += item[2]
+                if isinstance(item[0], SealRecord):
+                    return offset
                 state.records += 1
+        return offset + self._seal_at(path, n, offset)
+
+    def _seal_at(self, path: Path, n: int, offset: int) -> int:
+        seal = _record_bytes(SealRecord(), seed=n)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, seal, offset)
+            if self.cfg.fsync != "none":
+                os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        return len(seal)
 
     # -- appends -------------------------------------------------------------------------------
 
@@ -277,16 +316,17 @@ class SegmentLog(ExperienceLog):
         if seqs:
             self._append(PriorityRecord(seqs=list(seqs), priorities=[float(p) for p in priorities]))
 
-    def _append(self, record: Record, payload: Sequence = ()) -> None:
+    def _append(self, record: Record, payload: Sequence = (), roll: bool = True) -> None:
         if self.broken is not None:
             raise LogWriteError(f"log {self.dir} is unusable: {self.broken}")
-        buffers, length = encode_record(record, payload)
+        buffers, length = encode_record(record, payload, seed=self.active)
         try:
             write_all(self.fd, buffers)
         except OSError as e:
             self.counters["log_write_errors"] += 1
             try:
                 os.ftruncate(self.fd, self.active_bytes)
+                os.lseek(self.fd, self.active_bytes, os.SEEK_SET)
             except OSError as e2:
                 self.broken = f"write failed ({e}) and the partial record could not be cut ({e2})"
             raise LogWriteError(f"log {self.dir}: {e}") from e
@@ -294,7 +334,7 @@ class SegmentLog(ExperienceLog):
         self.counters["log_records"] += 1
         self.counters["log_written_bytes"] += length
         self.dirty = True
-        if self.active_bytes >= self.cfg.segment_bytes:
+        if roll and self.active_bytes >= self.cfg.segment_bytes:
             self._roll()
 
     # -- durability ----------------------------------------------------------------------------
@@ -332,18 +372,36 @@ class SegmentLog(ExperienceLog):
     def total_bytes(self) -> int:
         return sum(self.segment_bytes.values()) + self.active_bytes
 
+    def _take_file(self, path: Path) -> None:
+        """Put a retired file (if any) at `path`, to be overwritten from its start."""
+        if self.pool:
+            os.rename(self.pool.pop(), path)
+            self.counters["log_recycled"] += 1
+
+    def _retire(self, n: int) -> None:
+        """Segment `n` left the log: keep its file for reuse, or delete it."""
+        path = self.dir / _segment_name(n)
+        if len(self.pool) < self.pool_max:
+            free = self.dir / f"{n:012d}.free"
+            os.rename(path, free)
+            self.pool.append(free)
+        else:
+            path.unlink(missing_ok=True)
+
     def _open_segment(self, n: int) -> None:
         path = self.dir / _segment_name(n)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._take_file(path)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # no O_TRUNC: keep cached pages
         self.active = n
-        self.active_bytes = os.fstat(self.fd).st_size
+        self.active_bytes = 0
         if self.cfg.fsync != "none":
             _fsync_dir(self.dir)
 
     def _close_active(self) -> None:
         if self.fd < 0:
             return
-        if self.cfg.fsync != "none" and self.dirty:
+        self._append(SealRecord(), roll=False)
+        if self.cfg.fsync != "none":
             self._sync()
         os.close(self.fd)
         self.fd = -1
@@ -353,7 +411,7 @@ class SegmentLog(ExperienceLog):
         self.dirty = False
 
     def _roll(self, skip: int = 0) -> None:
-        """Close the active segment and open the next (leaving `skip` numbers unused)."""
+        """Seal and close the active segment and open the next (leaving `skip` numbers unused)."""
         n = self.active
         self._close_active()
         self._open_segment(n + 1 + skip)
@@ -363,34 +421,34 @@ class SegmentLog(ExperienceLog):
     def _start_compaction(self, snap: Snapshot) -> None:
         replaces = self.active
         self._roll(skip=1)  # writes go on in replaces + 2; the snapshot becomes replaces + 1
+        tmp = self.dir / (_segment_name(replaces + 1) + ".tmp")
+        self._take_file(tmp)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compaction")
-        future = self._executor.submit(self._write_snapshot, replaces + 1, snap)
+        future = self._executor.submit(self._write_snapshot, replaces + 1, tmp, snap)
         self._compaction = (future, replaces)
 
-    def _write_snapshot(self, n: int, snap: Snapshot) -> int:
-        tmp = self.dir / (_segment_name(n) + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    def _write_snapshot(self, n: int, tmp: Path, snap: Snapshot) -> int:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o644)
         written = 0
         try:
-            buffers, _ = encode_record(
-                SnapshotRecord(next_seq=snap.next_seq, settled=snap.settled), [snap.seen.tobytes()]
-            )
-            written += write_all(fd, buffers)
+            record = SnapshotRecord(next_seq=snap.next_seq, settled=snap.settled)
+            written += write_all(fd, encode_record(record, [snap.seen.tobytes()], seed=n)[0])
             batch: list[Group] = []
             batch_bytes = 0
             for group in snap.groups:
                 batch.append(group)
                 batch_bytes += group.nbytes
                 if batch_bytes >= SNAPSHOT_RECORD_BYTES:
-                    written += self._write_groups(fd, batch)
+                    written += self._write_groups(fd, batch, n)
                     batch, batch_bytes = [], 0
             if batch:
-                written += self._write_groups(fd, batch)
+                written += self._write_groups(fd, batch, n)
             if snap.priorities:
                 seqs = list(snap.priorities)
                 record = PriorityRecord(seqs=seqs, priorities=[snap.priorities[s] for s in seqs])
-                written += write_all(fd, encode_record(record)[0])
+                written += write_all(fd, encode_record(record, seed=n)[0])
+            written += write_all(fd, encode_record(SealRecord(), seed=n)[0])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -399,9 +457,9 @@ class SegmentLog(ExperienceLog):
         return written
 
     @staticmethod
-    def _write_groups(fd: int, groups: list[Group]) -> int:
+    def _write_groups(fd: int, groups: list[Group], n: int) -> int:
         record = PutRecord(groups=[LoggedGroup(seq=g.seq, trajs=g.metas) for g in groups])
-        return write_all(fd, encode_record(record, [f for g in groups for f in g.frames])[0])
+        return write_all(fd, encode_record(record, [f for g in groups for f in g.frames], seed=n)[0])
 
     def _finish_compaction(self) -> None:
         future, replaces = self._compaction
@@ -416,9 +474,9 @@ class SegmentLog(ExperienceLog):
                 tmp.unlink(missing_ok=True)
             return
         for n in [n for n in self.segments if n <= replaces]:
-            (self.dir / _segment_name(n)).unlink(missing_ok=True)
             self.segments.remove(n)
             del self.segment_bytes[n]
+            self._retire(n)
         self.segments = sorted([*self.segments, replaces + 1])
         self.segment_bytes[replaces + 1] = written
         self.counters["compactions"] += 1
@@ -435,9 +493,9 @@ class SegmentLog(ExperienceLog):
         self.wait_for_compaction()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self.fd >= 0:
-            if self.dirty and self.cfg.fsync != "none":
-                self._sync()
+        if self.fd >= 0 and self.broken is None:
+            self._close_active()
+        elif self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 

@@ -242,7 +242,7 @@ def test_log_reader_rejects_garbage_without_other_errors():
     @given(st.binary(max_size=200))
     def check(data):
         try:
-            read_record(io.BytesIO(data), len(data))
+            read_record(io.BytesIO(data), len(data), seed=1)
         except CorruptRecord:
             pass
 

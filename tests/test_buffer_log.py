@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 from buffer.client import BufferClient, BufferError, SampleRef
 from buffer.fifo_store import FifoStore
 from buffer.log_records import PREFIX
-from buffer.segment_log import LogCorrupt, SegmentLog, Snapshot
+from buffer.segment_log import LogCorrupt, SegmentLog, Snapshot, recycle_keep
 from sluice.config.buffer import BufferConfig, ReplayConfig
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec
@@ -152,18 +151,19 @@ def test_records_round_trip_with_payload_bytes_intact(tmp_path):
     assert arrays["x"].tolist() == list(range(1, 17)) and arrays["m"].tolist() == [True] * 3
 
 
-def test_a_torn_tail_is_cut_and_everything_before_it_kept(tmp_path):
+def test_a_torn_tail_ends_the_log_and_everything_before_it_is_kept(tmp_path):
     cfg = BufferConfig(fsync="none")
     _write_puts(tmp_path, cfg, ["a", "b", "c"])
     seg = segments(tmp_path)[-1]
-    size = seg.stat().st_size
-    os.truncate(seg, size - 10)  # the last record lost its end (power cut mid-write)
+    data = seg.read_bytes()
+    seg.write_bytes(data[: len(data) - 40])  # c's record and the seal lost their end (power cut)
     assert _recovered_group_ids(tmp_path, cfg) == ["a", "b"]
-    assert seg.stat().st_size < size - 10  # cut back to the end of b
-    # garbage appended after a clean record is cut too
-    with open(segments(tmp_path)[-1], "ab") as fh:
+    # recovery sealed the segment after b: later recoveries agree, whatever follows the seal
+    with open(seg, "ab") as fh:
         fh.write(b"\x00" * 7)
     assert _recovered_group_ids(tmp_path, cfg) == ["a", "b"]
+    _write_puts(tmp_path, cfg, ["d"])  # (a fresh store numbers it seq 0 again: it replaces a)
+    assert "d" in _recovered_group_ids(tmp_path, cfg)
 
 
 def test_a_damaged_record_before_the_last_segment_refuses_to_start(tmp_path):
@@ -216,8 +216,12 @@ def test_compaction_keeps_the_log_bounded_and_recovery_exact(shard_factory, tmp_
         assert stats["compactions"] >= 5
         # bound: compact threshold + one segment + records written while a compaction ran
         assert stats["log_bytes"] <= max(1 << 16, 2 * held_bytes) + 3 * (1 << 16)
-        on_disk = sum(p.stat().st_size for p in segments(log_dir))
-        assert on_disk == pytest.approx(stats["log_bytes"], abs=1 << 16)
+        # on disk: the log, plus the retired files kept for reuse (a reused file can be longer
+        # than the part of it in use)
+        files = [*segments(log_dir), *log_dir.glob("*.free")]
+        assert len(list(log_dir.glob("*.free"))) <= recycle_keep(shard.cfg)
+        assert sum(p.stat().st_size for p in files) <= stats["log_bytes"] + len(files) * (1 << 17)
+        assert stats["log_recycled"] > 0
         expected = sorted(ids(client.get(10000).trajs))  # leased: comes back after the restart
     shard.restart()
     with BufferClient([shard.endpoint], timeout_s=10) as client:
@@ -261,6 +265,37 @@ def test_recovery_finishes_an_interrupted_compaction(tmp_path, shard_factory):
     log.close()
     assert [g.seq for g in second.groups] == [g.seq for g in first.groups]
     assert not list(log_dir.glob("*.tmp"))
+
+
+def test_a_recycled_segment_never_replays_its_old_contents(tmp_path):
+    """A retired file reused as a new segment still holds valid-looking records of its old
+    life; their checksums are seeded with the old segment number, so they end the segment."""
+    cfg = BufferConfig(fsync="none")
+    _write_puts(tmp_path, cfg, ["a", "b", "c", "d"])  # segment 1
+    (tmp_path / "000000000001.seg").rename(tmp_path / "000000000001.free")  # retired
+    log = SegmentLog(tmp_path, cfg)
+    log.recover()  # segment 2 reuses the file: its old records are still there, past our writes
+    store = FifoStore(capacity=100, lease_timeout_s=10)
+    prepared = _prepared_put(store, group("x"))
+    log.append_put(prepared)
+    log.close()
+    assert log.counters["log_recycled"] == 1
+    seg = tmp_path / "000000000002.seg"
+    assert seg.stat().st_size > 2000  # old bytes past the seal
+    data = seg.read_bytes()
+    unsealed = tmp_path / "unsealed"
+    unsealed.mkdir()
+    # the same segment without its seal (the shard died before closing it)
+    written = log.counters["log_written_bytes"] - len(_seal_bytes(2))
+    (unsealed / seg.name).write_bytes(data[:written] + data[written + len(_seal_bytes(2)) :])
+    assert _recovered_group_ids(tmp_path, cfg) == ["x"]
+    assert _recovered_group_ids(unsealed, cfg) == ["x"]  # old records are not read either way
+
+
+def _seal_bytes(n: int) -> bytes:
+    from buffer.log_records import SealRecord, encode_record
+
+    return b"".join(bytes(b) for b in encode_record(SealRecord(), seed=n)[0])
 
 
 def test_durability_needs_a_place_or_an_explicit_off():

@@ -57,8 +57,8 @@ class BufferConfig(Section):
     Every policy writes the record before it replies: a killed shard loses nothing it acknowledged."""
     fsync_interval_ms: int = Field(200, ge=1)
     """Most time between a write and its fsync with `fsync: interval`."""
-    segment_bytes: int = Field(256 << 20, ge=1 << 16)
-    """A log segment is closed and a new one started past this size."""
+    segment_bytes: int = Field(64 << 20, ge=1 << 16)
+    """A log segment is closed and a new one started past this size (retired segments are reused)."""
     compact_min_bytes: int = Field(256 << 20, ge=1 << 16)
     """The log is never compacted below this size."""
     compact_ratio: float = Field(2.0, ge=1.1)
