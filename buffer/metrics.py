@@ -28,6 +28,7 @@ GAUGES = {
     "compactions": "Log compactions finished (total)",
     "compaction_errors": "Log compactions that failed (total)",
     "log_write_errors": "Log writes that failed (total)",
+    "log_recycled": "Log segments written into a reused (retired) segment file (total)",
 }
 
 
