@@ -209,7 +209,9 @@ class BufferClient:
 
     def put(self, trajs: Sequence[Trajectory]) -> PutReply:
         """Store trajectories (whole groups) on their shards; wait out backpressure and down
-        shards (see the module docstring). Returns the summed accepted/duplicates counts."""
+        shards (see the module docstring). Returns the summed accepted/duplicates counts.
+        If it raises, groups on other shards may have been stored: calling `put` again with the
+        same trajectories is safe (they are deduped, and pinned to where they may have gone)."""
         todo = self._out_groups(trajs)
         total = PutReply(proto=PROTO_VERSION, id=0)
         give_up = time.monotonic() + self.put_give_up_s
