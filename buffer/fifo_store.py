@@ -1,52 +1,30 @@
 """Consume-once experience storage of one shard: FIFO of whole groups under leases.
 
-Pure data structure (no sockets, no clock of its own) so its semantics are tested directly:
-- PUT stores whole groups; a traj_id seen before is dropped (idempotent resends).
+- PUT stores whole groups; a traj_id seen recently is dropped (idempotent resends).
 - GET leases whole groups from the front of a policy's queue, dropping (and counting) groups
   older than `min_version` (the learner's staleness bound).
 - ACK deletes a lease; NACK or lease expiry returns its groups to the front, in order.
-- Queued + leased trajectories never exceed `capacity`: a PUT that would is refused whole.
+- Queued + leased trajectories (and bytes) never exceed capacity: a PUT that would is refused
+  whole (ShardFull), and the producer retries later.
+- A few recently ACKed lease ids are remembered, so a resent ACK (its reply was lost) is
+  answered as done instead of UNKNOWN_LEASE.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections import Counter, defaultdict, deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass
 
-from sluice.wire.codec import Frame, frame_bytes
-from sluice.wire.messages import TrajectoryMeta
+from buffer.groups import Group, GroupIncomplete, PreparedPut, ShardFull
+from buffer.store import ShardStore, StoreCounters
 
+__all__ = ["FifoStore", "GroupIncomplete", "Lease", "ShardFull", "StoreCounters"]
 
-class ShardFull(Exception):
-    """The PUT would exceed capacity."""
-
-
-class GroupIncomplete(ValueError):
-    """A PUT carried part of a group (groups travel whole)."""
+SETTLED_LEASES_KEPT = 4096
 
 
-@dataclass
-class StoredTrajectory:
-    meta: TrajectoryMeta
-    frames: list[Frame]
-    nbytes: int
-
-
-@dataclass
-class Group:
-    group_id: str
-    policy_id: str
-    version: int  # oldest version of any trajectory in the group
-    trajs: list[StoredTrajectory]
-
-    @property
-    def size(self) -> int:
-        return len(self.trajs)
-
-
-@dataclass
+@dataclass(slots=True)
 class Lease:
     lease_id: str
     groups: list[Group]
@@ -57,66 +35,46 @@ class Lease:
         return sum(g.size for g in self.groups)
 
 
-@dataclass
-class StoreCounters:
-    put_trajs: int = 0
-    duplicates: int = 0
-    leased_trajs: int = 0
-    acked_trajs: int = 0
-    redelivered_trajs: int = 0
-    dropped_stale: int = 0
-    refused_full: int = 0
+class FifoStore(ShardStore):
+    mode = "fifo"
 
-
-@dataclass
-class FifoStore:
-    capacity: int
-    lease_timeout_s: float
-    queues: dict[str, deque[Group]] = field(default_factory=lambda: defaultdict(deque))
-    leases: dict[str, Lease] = field(default_factory=dict)
-    seen: set[str] = field(default_factory=set)
-    counters: StoreCounters = field(default_factory=StoreCounters)
-    queued: int = 0
-    queued_bytes: int = 0
+    def __init__(
+        self,
+        capacity: int,
+        lease_timeout_s: float,
+        *,
+        capacity_bytes: int = 1 << 62,
+        dedupe_window: int = 1 << 18,
+        max_policies: int = 64,
+    ) -> None:
+        super().__init__(capacity, capacity_bytes, dedupe_window, max_policies)
+        self.lease_timeout_s = lease_timeout_s
+        self.queues: dict[str, deque[Group]] = defaultdict(deque)
+        self.leases: dict[str, Lease] = {}
+        self.settled: OrderedDict[str, int] = OrderedDict()  # acked lease id -> trajectories
+        self.queued = 0
+        self.queued_bytes = 0
+        self.leased = 0
 
     # -- writes --------------------------------------------------------------------------------
 
-    def put(self, metas: Sequence[TrajectoryMeta], frames: Sequence[list[Frame]]) -> tuple[int, int]:
-        """Store trajectories; returns (accepted, duplicates). Raises ShardFull, GroupIncomplete."""
-        groups: dict[tuple[str, str], list[StoredTrajectory]] = {}
-        duplicates = 0
-        batch_ids: set[str] = set()
-        for meta, fr in zip(metas, frames):
-            if meta.traj_id in self.seen or meta.traj_id in batch_ids:
-                duplicates += 1
-                continue
-            batch_ids.add(meta.traj_id)
-            nbytes = sum(len(frame_bytes(f)) for f in fr)
-            groups.setdefault((meta.policy_id, meta.group_id), []).append(
-                StoredTrajectory(meta=meta, frames=list(fr), nbytes=nbytes)
+    def _admit(self, prepared: PreparedPut) -> None:
+        if self.held + prepared.accepted > self.capacity or (
+            self.held_bytes + prepared.nbytes > self.capacity_bytes
+        ):
+            self.counters.refused_full += prepared.accepted
+            raise ShardFull(
+                f"{self.held} + {prepared.accepted} trajectories > capacity {self.capacity} "
+                f"or {self.held_bytes} + {prepared.nbytes} bytes > capacity_bytes {self.capacity_bytes}"
             )
-        for (_, group_id), trajs in groups.items():
-            want = trajs[0].meta.group_size
-            if any(t.meta.group_size != want for t in trajs):
-                raise GroupIncomplete(f"group {group_id!r}: trajectories disagree on group_size")
-            if len(trajs) != want:
-                raise GroupIncomplete(
-                    f"group {group_id!r}: group_size={want} but the message carries "
-                    f"{len(trajs)} new trajectories of it (groups must be PUT whole)"
-                )
-        accepted = sum(len(t) for t in groups.values())
-        if self.size + accepted > self.capacity:
-            self.counters.refused_full += accepted
-            raise ShardFull(f"{self.size} + {accepted} trajectories > capacity {self.capacity}")
-        for (policy_id, group_id), trajs in groups.items():
-            version = min(t.meta.version for t in trajs)
-            self.queues[policy_id].append(Group(group_id, policy_id, version, trajs))
-            self.queued += len(trajs)
-            self.queued_bytes += sum(t.nbytes for t in trajs)
-        self.seen |= batch_ids
-        self.counters.put_trajs += accepted
-        self.counters.duplicates += duplicates
-        return accepted, duplicates
+
+    def _insert(self, group: Group, priority: float | None = None) -> None:
+        self._account(group, +1)
+        self._enqueue(group, front=False)
+
+    def _evict(self, seqs: list[int]) -> None:
+        if seqs:
+            raise AssertionError("a fifo store never evicts")
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -130,30 +88,46 @@ class FifoStore:
             group = queue[0]
             if group.version < min_version:
                 queue.popleft()
-                self._forget(group)
+                self._dequeue(group)
+                self._account(group, -1)
+                self._drop(group)
                 dropped += group.size
                 continue
             if taken and n + group.size > max_trajs:
                 break
             queue.popleft()
-            self.queued -= group.size
-            self.queued_bytes -= sum(t.nbytes for t in group.trajs)
+            self._dequeue(group)
             taken.append(group)
             n += group.size
             if n >= max_trajs:
                 break
-        self.counters.dropped_stale += dropped
+        if queue is not None and not queue:
+            del self.queues[policy_id]
         if not taken:
             return None, dropped
         lease = Lease(uuid.uuid4().hex, taken, now + self.lease_timeout_s)
         self.leases[lease.lease_id] = lease
+        self.leased += n
         self.counters.leased_trajs += n
         return lease, dropped
 
+    def lease(self, lease_id: str) -> Lease:
+        """The lease, unchanged (KeyError if not held): what an ACK would delete."""
+        return self.leases[lease_id]
+
     def ack(self, lease_id: str) -> int:
         lease = self.leases.pop(lease_id)  # KeyError: unknown lease
+        self.leased -= lease.size
+        for group in lease.groups:
+            self._account(group, -1)
         self.counters.acked_trajs += lease.size
+        self.remember_settled(lease_id, lease.size)
         return lease.size
+
+    def remember_settled(self, lease_id: str, count: int) -> None:
+        self.settled[lease_id] = count
+        while len(self.settled) > SETTLED_LEASES_KEPT:
+            self.settled.popitem(last=False)
 
     def nack(self, lease_id: str) -> int:
         lease = self.leases.pop(lease_id)
@@ -172,50 +146,45 @@ class FifoStore:
 
     # -- introspection -------------------------------------------------------------------------
 
-    @property
-    def leased(self) -> int:
-        return sum(lease.size for lease in self.leases.values())
-
-    @property
-    def size(self) -> int:
-        return self.queued + self.leased
-
     def has_ready(self, policy_id: str) -> bool:
         return bool(self.queues.get(policy_id))
 
-    def version_counts(self) -> dict[str, int]:
-        counts: Counter[int] = Counter()
-        for queue in self.queues.values():
-            for group in queue:
-                counts[group.version] += group.size
-        return {str(v): c for v, c in sorted(counts.items())}
+    def live_groups(self) -> list[Group]:
+        groups = [g for q in self.queues.values() for g in q]
+        groups += [g for lease in self.leases.values() for g in lease.groups]
+        return sorted(groups, key=lambda g: g.seq)
 
     def stats(self) -> dict[str, int]:
         c = self.counters
-        return {
-            "capacity": self.capacity,
+        return super().stats() | {
             "queued": self.queued,
             "queued_bytes": self.queued_bytes,
             "leased": self.leased,
             "leases": len(self.leases),
-            "put": c.put_trajs,
-            "duplicates": c.duplicates,
             "delivered": c.leased_trajs,
             "acked": c.acked_trajs,
             "redelivered": c.redelivered_trajs,
-            "dropped_stale": c.dropped_stale,
-            "refused_full": c.refused_full,
         }
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _requeue(self, lease: Lease) -> None:
-        for group in reversed(lease.groups):
-            self.queues[group.policy_id].appendleft(group)
-            self.queued += group.size
-            self.queued_bytes += sum(t.nbytes for t in group.trajs)
-        self.counters.redelivered_trajs += lease.size
+    def _enqueue(self, group: Group, front: bool) -> None:
+        queue = self.queues[group.policy_id]
+        if front:
+            queue.appendleft(group)
+        else:
+            queue.append(group)
+        self.queued += group.size
+        self.queued_bytes += group.nbytes
+        self._count_version(group, +1)
 
-    def _forget(self, group: Group) -> None:
+    def _dequeue(self, group: Group) -> None:
         self.queued -= group.size
-        self.queued_bytes -= sum(t.nbytes for t in group.trajs)
+        self.queued_bytes -= group.nbytes
+        self._count_version(group, -1)
+
+    def _requeue(self, lease: Lease) -> None:
+        self.leased -= lease.size
+        for group in reversed(lease.groups):
+            self._enqueue(group, front=True)
+        self.counters.redelivered_trajs += lease.size

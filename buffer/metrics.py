@@ -4,6 +4,33 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+GAUGES = {
+    "held": "Trajectories held (fifo: queued + leased; replay: stored)",
+    "held_bytes": "Payload bytes held",
+    "queued": "fifo: trajectories waiting to be leased",
+    "queued_bytes": "fifo: payload bytes waiting to be leased",
+    "leased": "fifo: trajectories under a lease",
+    "capacity": "Capacity in trajectories",
+    "put": "Trajectories accepted by PUT (total)",
+    "duplicates": "Trajectories dropped as duplicates (total)",
+    "delivered": "fifo: trajectories leased by GET (total, redeliveries included)",
+    "acked": "fifo: trajectories deleted by ACK (total)",
+    "redelivered": "fifo: trajectories returned to the queue by NACK or lease expiry (total)",
+    "dropped_stale": "Trajectories dropped for being older than the staleness bound (total)",
+    "refused_full": "Trajectories refused because the shard was full (total)",
+    "evicted": "replay: trajectories evicted from the ring (total)",
+    "sampled": "replay: groups drawn by SAMPLE (total)",
+    "priority_updates": "replay: priorities set by PRIORITY (total)",
+    "dedupe_ids": "traj_ids remembered for dedupe",
+    "log_bytes": "Bytes in the shard's log segments",
+    "log_segments": "Segment files of the shard's log",
+    "fsyncs": "fsync calls on the log (total)",
+    "compactions": "Log compactions finished (total)",
+    "compaction_errors": "Log compactions that failed (total)",
+    "log_write_errors": "Log writes that failed (total)",
+    "log_recycled": "Log segments written into a reused (retired) segment file (total)",
+}
+
 
 class ShardMetrics:
     def __init__(self, registry: CollectorRegistry, shard: int) -> None:
@@ -12,19 +39,7 @@ class ShardMetrics:
             name: Gauge(f"sluice_buffer_{name}", help_, registry=registry, labelnames=["shard"]).labels(
                 **labels
             )
-            for name, help_ in {
-                "queued": "Trajectories waiting to be leased",
-                "queued_bytes": "Payload bytes waiting to be leased",
-                "leased": "Trajectories under a lease",
-                "capacity": "Capacity in trajectories",
-                "put": "Trajectories accepted by PUT (total)",
-                "duplicates": "Trajectories dropped as duplicates (total)",
-                "delivered": "Trajectories leased by GET (total, redeliveries included)",
-                "acked": "Trajectories deleted by ACK (total)",
-                "redelivered": "Trajectories returned to the queue by NACK or lease expiry (total)",
-                "dropped_stale": "Trajectories dropped for being older than the staleness bound (total)",
-                "refused_full": "Trajectories refused because the shard was full (total)",
-            }.items()
+            for name, help_ in GAUGES.items()
         }
         self.errors = Counter(
             "sluice_buffer_errors", "Error replies by code", registry=registry, labelnames=["code"]

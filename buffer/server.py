@@ -1,8 +1,9 @@
-"""One buffer shard: a ZeroMQ ROUTER server in front of a FifoStore.
+"""One buffer shard: a ZeroMQ ROUTER server in front of a store (fifo or replay) and its log.
 
 Socket rules:
-- The shard binds a ROUTER at its endpoint; clients (DEALER or REQ) connect. Clients may start
-  before the shard: ZeroMQ connects when it comes up.
+- The shard binds a ROUTER at its endpoint (`buffer/sockets.py`); clients (DEALER or REQ)
+  connect. Clients may start before the shard: ZeroMQ connects when it comes up. The shard
+  rebuilds its state from its log before it binds, so no client sees a half-restored shard.
 - A request is `[identity, b"", header, payload...]` as the ROUTER sees it. The empty delimiter
   is what REQ sends; DEALER clients send it too. (A message without it is also accepted.)
   The reply goes back with the same envelope.
@@ -10,38 +11,56 @@ Socket rules:
   a larger message; everything below that is parsed and either served or answered with an
   ErrorReply naming the bad field or frame. The loop never dies on input.
 - GET with wait_ms > 0 is parked until data arrives or the wait ends (long poll), so
-  learners do not spin. One thread owns the socket and the store: no locks.
+  learners do not spin; CANCEL from the same connection ends it early.
+- One thread owns the socket, the store and the log: no locks. Requests are served in
+  batches (what is ready, up to 256); the log is made durable (per `buffer.fsync`) once per
+  batch, and only then are the batch's replies sent (group commit): a reply never promises
+  more than the log holds.
 - Linger 0 at close: a stopped shard does not block on unsent replies.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import zmq
 
-from buffer.fifo_store import FifoStore, GroupIncomplete, ShardFull
+from buffer.fifo_store import FifoStore
+from buffer.groups import GroupIncomplete, PutTooLarge, ShardFull
 from buffer.metrics import ShardMetrics
+from buffer.replay_store import ReplayStore
+from buffer.segment_log import LogWriteError, RecoveredState, Snapshot, build_log
+from buffer.sockets import shard_socket
+from buffer.store import ShardStore, build_store
 from sluice.config.buffer import BufferConfig
-from sluice.net import zmq_socket
 from sluice.rpc import split_envelope
 from sluice.wire import codec
 from sluice.wire.messages import (
     PROTO_VERSION,
     AckReply,
     AckRequest,
+    CancelReply,
+    CancelRequest,
     GetReply,
     GetRequest,
     NackReply,
     NackRequest,
     PingReply,
     PingRequest,
+    PriorityReply,
+    PriorityRequest,
     PutReply,
     PutRequest,
+    SampledItem,
+    SampleReply,
+    SampleRequest,
     StatsReply,
     StatsRequest,
 )
@@ -49,6 +68,12 @@ from sluice.wire.messages import (
 log = logging.getLogger(__name__)
 
 Envelope = list[bytes]
+DRAIN_BATCH = 256
+# Frames below this size are copied out of ZeroMQ when stored. libzmq receives small messages
+# into shared 8 KiB chunks (zero-copy receive), and one stored 1 KiB frame would pin a whole
+# chunk (measured: ~10 KiB of RSS per stored 1 KiB trajectory). Larger frames get their own
+# buffer from libzmq and are stored without a copy.
+COMPACT_BELOW = 64 << 10
 
 
 @dataclass
@@ -64,66 +89,100 @@ class ShardServer:
         cfg: BufferConfig,
         shard: int,
         *,
+        log_dir: Path | None = None,
         metrics: ShardMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         ctx: zmq.Context | None = None,
+        seed: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.shard = shard
         self.clock = clock
-        self.store = FifoStore(capacity=cfg.capacity, lease_timeout_s=cfg.lease_timeout_s)
+        self.store: ShardStore = build_store(cfg)
+        self.log = build_log(cfg, log_dir)
+        self._restore(self.log.recover())
         self.metrics = metrics
+        self.rng = np.random.default_rng(seed)
         self.parked: list[ParkedGet] = []
+        self._outbox: list[list] = []
         self._ctx = ctx or zmq.Context.instance()
-        self.sock = zmq_socket(self._ctx, zmq.ROUTER, hwm=10000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.endpoint = cfg.bind_endpoint(shard)
-        self.sock.bind(self.endpoint)
+        self.sock = shard_socket(self._ctx, self.endpoint, max_message_bytes=cfg.max_message_bytes, hwm=10000)
         self._last_metrics = 0.0
+
+    def _restore(self, state: RecoveredState) -> None:
+        for hashes in state.seen_hashes:
+            self.store.dedupe.add_hashes(hashes.tolist())
+        self.store.restore(state.groups, state.priorities, state.next_seq)
+        if isinstance(self.store, FifoStore):
+            for lease_id, count in state.settled.items():
+                self.store.remember_settled(lease_id, count)
 
     # -- loop ----------------------------------------------------------------------------------
 
     def serve(self, stop: threading.Event) -> None:
-        """Serve until `stop` is set. Returns with the socket closed."""
+        """Serve until `stop` is set. Returns with the socket and the log closed."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        log.info("shard %d serving at %s", self.shard, self.endpoint)
+        log.info("shard %d (%s) serving at %s", self.shard, self.cfg.mode, self.endpoint)
         try:
             while not stop.is_set():
                 if poller.poll(self._poll_timeout_ms()):
-                    # Drain what is ready before doing timed work.
-                    for _ in range(256):
+                    for _ in range(DRAIN_BATCH):
                         try:
                             frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._on_message(frames)
+                    self._flush()
                 self._on_tick()
+                self._flush()
         finally:
             self.sock.close(linger=0)
+            self.log.close()
 
     def _poll_timeout_ms(self) -> int:
         now = self.clock()
         deadlines = [p.deadline for p in self.parked]
-        lease_deadline = self.store.next_deadline()
-        if lease_deadline is not None:
-            deadlines.append(lease_deadline)
+        if isinstance(self.store, FifoStore):
+            lease_deadline = self.store.next_deadline()
+            if lease_deadline is not None:
+                deadlines.append(lease_deadline)
         wait = min(deadlines, default=now + 0.1) - now
         return int(max(0.0, min(wait, 0.1)) * 1000)
 
     def _on_tick(self) -> None:
         now = self.clock()
-        if self.store.expire_leases(now):
+        if isinstance(self.store, FifoStore) and self.store.expire_leases(now):
             self._serve_parked(now)
         expired = [p for p in self.parked if p.deadline <= now]
         if expired:
             self.parked = [p for p in self.parked if p.deadline > now]
             for p in expired:
                 self._reply(p.envelope, GetReply(proto=PROTO_VERSION, id=p.request.id))
+        self.log.tick(time.monotonic(), self.store.held_bytes, self._snapshot)
         if self.metrics is not None and now - self._last_metrics > 0.5:
             self._last_metrics = now
-            self.metrics.update(self.store.stats())
+            self.metrics.update(self.stats())
+
+    def _snapshot(self) -> Snapshot:
+        settled = dict(self.store.settled) if isinstance(self.store, FifoStore) else {}
+        return Snapshot(
+            groups=self.store.live_groups(),
+            priorities=self.store.priorities(),
+            next_seq=self.store.next_seq,
+            seen=self.store.dedupe.snapshot(),
+            settled=settled,
+        )
+
+    def _flush(self) -> None:
+        """Make the log as durable as promised, then send the replies that depend on it."""
+        if not self._outbox:
+            return
+        self.log.commit()
+        outbox, self._outbox = self._outbox, []
+        for frames in outbox:
+            self.sock.send_multipart(frames, copy=False)
 
     # -- dispatch ------------------------------------------------------------------------------
 
@@ -138,12 +197,13 @@ class ShardServer:
             self._dispatch(envelope, request, payload)
         except codec.ProtocolError as e:
             rid = getattr(e, "request_id", request_id)
-            self._count_error(e.code)
-            self._reply(envelope, codec.error_reply(rid, e.code, e.message))
+            self._error(envelope, rid, e.code, e.message)
+        except LogWriteError as e:
+            log.error("shard %d: %s", self.shard, e)
+            self._error(envelope, request_id, "UNAVAILABLE", f"the shard cannot write its log: {e}")
         except Exception as e:  # noqa: BLE001 - a bug must not take the shard down
             log.exception("shard %d: internal error on request %d", self.shard, request_id)
-            self._count_error("INTERNAL")
-            self._reply(envelope, codec.error_reply(request_id, "INTERNAL", repr(e)))
+            self._error(envelope, request_id, "INTERNAL", repr(e))
 
     def _dispatch(self, envelope: Envelope, request, payload: list[zmq.Frame]) -> None:
         now = self.clock()
@@ -157,43 +217,83 @@ class ShardServer:
         if isinstance(request, GetRequest):
             self._on_get(envelope, request, now)
         elif isinstance(request, AckRequest):
-            count = self._settle(request.lease_id, self.store.ack)
-            self._reply(envelope, AckReply(proto=PROTO_VERSION, id=request.id, count=count))
+            self._on_ack(envelope, request)
         elif isinstance(request, NackRequest):
-            count = self._settle(request.lease_id, self.store.nack)
+            store = self._fifo("NACK")
+            count = self._settle(request.lease_id, store.nack)
             self._reply(envelope, NackReply(proto=PROTO_VERSION, id=request.id, count=count))
             self._serve_parked(now)
+        elif isinstance(request, SampleRequest):
+            self._on_sample(envelope, request)
+        elif isinstance(request, PriorityRequest):
+            self._on_priority(envelope, request)
+        elif isinstance(request, CancelRequest):
+            self._on_cancel(envelope, request)
         elif isinstance(request, StatsRequest):
-            stats = self.store.stats() | {"shard": self.shard, "parked_gets": len(self.parked)}
             reply = StatsReply(
-                proto=PROTO_VERSION, id=request.id, stats=stats, versions=self.store.version_counts()
+                proto=PROTO_VERSION, id=request.id, stats=self.stats(), versions=self.store.version_counts()
             )
             self._reply(envelope, reply)
         elif isinstance(request, PingRequest):
             self._reply(envelope, PingReply(proto=PROTO_VERSION, id=request.id))
+
+    def stats(self) -> dict[str, int]:
+        return self.store.stats() | self.log.stats() | {"shard": self.shard, "parked_gets": len(self.parked)}
+
+    # -- writes --------------------------------------------------------------------------------
 
     def _on_put(self, envelope: Envelope, req: PutRequest, payload, now: float) -> None:
         if len(req.trajs) > self.cfg.max_batch:
             raise codec.ProtocolError(
                 "TOO_LARGE", f"trajs: {len(req.trajs)} trajectories > max_batch {self.cfg.max_batch}"
             )
+        payload = [f.bytes if isinstance(f, zmq.Frame) and len(f) < COMPACT_BELOW else f for f in payload]
         per_traj = codec.split_payload(req.trajs, payload)
         try:
-            accepted, dupes = self.store.put(req.trajs, per_traj)
+            prepared = self.store.prepare_put(req.trajs, per_traj)
         except GroupIncomplete as e:
             raise codec.ProtocolError("BAD_HEADER", f"trajs: {e}") from None
+        except PutTooLarge as e:
+            raise codec.ProtocolError("TOO_LARGE", str(e)) from None
         except ShardFull as e:
-            self._count_error("FULL")
-            self._reply(
-                envelope,
-                codec.error_reply(req.id, "FULL", str(e), retry_after_ms=self.cfg.retry_after_ms),
-            )
+            self._error(envelope, req.id, "FULL", str(e), retry_after_ms=self.cfg.retry_after_ms)
             return
-        self._reply(envelope, PutReply(proto=PROTO_VERSION, id=req.id, accepted=accepted, duplicates=dupes))
-        if accepted:
+        if prepared.groups:
+            self.log.append_put(prepared)  # LogWriteError: nothing stored, UNAVAILABLE
+        self.store.commit_put(prepared)
+        reply = PutReply(
+            proto=PROTO_VERSION, id=req.id, accepted=prepared.accepted, duplicates=prepared.duplicates
+        )
+        self._reply(envelope, reply)
+        if prepared.groups:
             self._serve_parked(now)
 
+    def _on_ack(self, envelope: Envelope, req: AckRequest) -> None:
+        store = self._fifo("ACK")
+        if req.lease_id in store.settled:  # a resend whose first reply was lost
+            count = store.settled[req.lease_id]
+            self._reply(envelope, AckReply(proto=PROTO_VERSION, id=req.id, count=count, replayed=True))
+            return
+        lease = self._settle(req.lease_id, store.lease)
+        self.log.append_ack(lease.lease_id, [g.seq for g in lease.groups])
+        count = store.ack(lease.lease_id)
+        self._reply(envelope, AckReply(proto=PROTO_VERSION, id=req.id, count=count))
+
+    def _on_priority(self, envelope: Envelope, req: PriorityRequest) -> None:
+        store = self._replay("PRIORITY")
+        if len(req.keys) > self.cfg.max_batch:
+            raise codec.ProtocolError("TOO_LARGE", f"keys: {len(req.keys)} > max_batch {self.cfg.max_batch}")
+        try:
+            updated, unknown = store.update_priorities(req.keys, req.priorities)
+        except ValueError as e:
+            raise codec.ProtocolError("BAD_HEADER", str(e)) from None
+        self.log.append_priorities(req.keys, req.priorities)
+        self._reply(envelope, PriorityReply(proto=PROTO_VERSION, id=req.id, updated=updated, unknown=unknown))
+
+    # -- reads ---------------------------------------------------------------------------------
+
     def _on_get(self, envelope: Envelope, req: GetRequest, now: float) -> None:
+        self._fifo("GET")
         if not 1 <= req.max_trajs <= self.cfg.max_batch:
             raise codec.ProtocolError(
                 "TOO_LARGE" if req.max_trajs > 0 else "BAD_HEADER",
@@ -205,33 +305,94 @@ class ShardServer:
             self.parked.append(ParkedGet(envelope, req, now + req.wait_ms / 1000.0))
 
     def _try_get(self, envelope: Envelope, req: GetRequest, now: float, reply_empty: bool) -> bool:
-        lease, dropped = self.store.get(req.max_trajs, req.policy_id, req.min_version, now)
+        store = self._fifo("GET")
+        lease, dropped = store.get(req.max_trajs, req.policy_id, req.min_version, now)
+        self._log_drops()
         if lease is None and not reply_empty:
             return False
         if lease is None:
             self._reply(envelope, GetReply(proto=PROTO_VERSION, id=req.id, dropped_stale=dropped))
             return True
-        trajs = [t for g in lease.groups for t in g.trajs]
         reply = GetReply(
             proto=PROTO_VERSION,
             id=req.id,
             lease_id=lease.lease_id,
-            trajs=[t.meta for t in trajs],
+            trajs=[m for g in lease.groups for m in g.metas],
             dropped_stale=dropped,
         )
-        self._reply(envelope, reply, [f for t in trajs for f in t.frames])
+        self._reply(envelope, reply, [f for g in lease.groups for f in g.frames])
         return True
 
     def _serve_parked(self, now: float) -> None:
+        if not self.parked:
+            return
+        store = self._fifo("GET")
         still = []
         for p in self.parked:
-            if not self.store.has_ready(p.request.policy_id) or not self._try_get(
+            if not store.has_ready(p.request.policy_id) or not self._try_get(
                 p.envelope, p.request, now, reply_empty=False
             ):
                 still.append(p)
         self.parked = still
 
-    def _settle(self, lease_id: str, op: Callable[[str], int]) -> int:
+    def _on_cancel(self, envelope: Envelope, req: CancelRequest) -> None:
+        found = [p for p in self.parked if p.envelope == envelope and p.request.id == req.target]
+        if found:
+            self.parked = [p for p in self.parked if p not in found]
+            self._reply(envelope, GetReply(proto=PROTO_VERSION, id=req.target))
+        self._reply(envelope, CancelReply(proto=PROTO_VERSION, id=req.id, cancelled=bool(found)))
+
+    def _on_sample(self, envelope: Envelope, req: SampleRequest) -> None:
+        store = self._replay("SAMPLE")
+        if not 0 <= req.n <= self.cfg.max_batch:
+            raise codec.ProtocolError(
+                "TOO_LARGE" if req.n > 0 else "BAD_HEADER", f"n={req.n} must be in [0, {self.cfg.max_batch}]"
+            )
+        if not (math.isfinite(req.beta) and req.beta >= 0):
+            raise codec.ProtocolError("BAD_HEADER", f"beta={req.beta} must be finite and >= 0")
+        rng = self.rng if req.seed is None else np.random.default_rng(req.seed)
+        sample = store.sample(req.n, req.policy_id, req.min_version, req.beta, rng)
+        self._log_drops()
+        reply = SampleReply(
+            proto=PROTO_VERSION,
+            id=req.id,
+            items=[
+                SampledItem(key=d.group.seq, size=d.group.size, prob=d.prob, weight=d.weight)
+                for d in sample.draws
+            ],
+            trajs=[m for d in sample.draws for m in d.group.metas],
+            count=sample.count,
+            total_priority=sample.total_priority,
+            dropped_stale=sample.dropped_stale,
+        )
+        self._reply(envelope, reply, [f for d in sample.draws for f in d.group.frames])
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _fifo(self, op: str) -> FifoStore:
+        if not isinstance(self.store, FifoStore):
+            raise codec.ProtocolError(
+                "WRONG_MODE", f"op {op} needs buffer.mode=fifo; shard {self.shard} is {self.store.mode}"
+            )
+        return self.store
+
+    def _replay(self, op: str) -> ReplayStore:
+        if not isinstance(self.store, ReplayStore):
+            raise codec.ProtocolError(
+                "WRONG_MODE", f"op {op} needs buffer.mode=replay; shard {self.shard} is {self.store.mode}"
+            )
+        return self.store
+
+    def _log_drops(self) -> None:
+        """Stale drops answer nobody: if the log cannot take them, they are dropped again after a
+        restart. Never fail the request for it."""
+        seqs = self.store.take_dropped()
+        try:
+            self.log.append_drop(seqs)
+        except LogWriteError as e:
+            log.warning("shard %d: could not log %d dropped groups: %s", self.shard, len(seqs), e)
+
+    def _settle(self, lease_id: str, op: Callable):
         try:
             return op(lease_id)
         except KeyError:
@@ -242,8 +403,9 @@ class ShardServer:
     # -- output --------------------------------------------------------------------------------
 
     def _reply(self, envelope: Envelope, header, payload=()) -> None:
-        self.sock.send_multipart([*envelope, *codec.encode(header, payload)], copy=False)
+        self._outbox.append([*envelope, *codec.encode(header, payload)])
 
-    def _count_error(self, code: str) -> None:
+    def _error(self, envelope: Envelope, request_id: int, code: str, message: str, retry_after_ms: int = 0):
         if self.metrics is not None:
             self.metrics.errors.labels(code=code).inc()
+        self._reply(envelope, codec.error_reply(request_id, code, message, retry_after_ms=retry_after_ms))

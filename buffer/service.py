@@ -13,8 +13,9 @@ from sluice.metrics import PrometheusEndpoint, record_endpoint
 def run_buffer(cfg: RunConfig, shard: int, stop: threading.Event) -> int:
     if not 0 <= shard < cfg.buffer.shards:
         raise ValueError(f"--shard {shard}: buffer.shards is {cfg.buffer.shards}")
+    log_dir = cfg.buffer.shard_log_dir(shard, cfg.run_dir if cfg.run.dir is not None else None)
     prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("buffer", shard))
-    server = ShardServer(cfg.buffer, shard, metrics=ShardMetrics(prom.registry, shard))
+    server = ShardServer(cfg.buffer, shard, log_dir=log_dir, metrics=ShardMetrics(prom.registry, shard))
     port = prom.start()
     if cfg.run.dir is not None:
         record_endpoint(cfg.run_dir, f"buffer-{shard}", metrics_port=port, endpoint=server.endpoint)

@@ -31,28 +31,47 @@ def zmq_ctx() -> Iterator[zmq.Context]:
 
 
 class RunningShard:
-    def __init__(self, cfg: BufferConfig, shard: int = 0, clock=None) -> None:
-        kwargs = {"clock": clock} if clock is not None else {}
+    """A shard server in a thread. `log_dir` makes it durable; `restart()` stops it and starts a
+    new server on the same endpoint and log (what a restarted shard process does)."""
+
+    def __init__(self, cfg: BufferConfig, shard: int = 0, clock=None, log_dir: Path | None = None) -> None:
         self.cfg = cfg
-        self.server = ShardServer(cfg, shard, ctx=zmq.Context(), **kwargs)
+        self.shard = shard
+        self.clock = clock
+        self.log_dir = log_dir
+        self.endpoint = cfg.endpoint(shard)
+        self.thread: threading.Thread | None = None
+        self.start()
+
+    def start(self) -> None:
+        kwargs = {"clock": self.clock} if self.clock is not None else {}
+        self.ctx = zmq.Context()
+        self.server = ShardServer(self.cfg, self.shard, ctx=self.ctx, log_dir=self.log_dir, **kwargs)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
         self.thread.start()
-        self.endpoint = cfg.endpoint(shard)
 
     def close(self) -> None:
+        if self.thread is None:
+            return
         self.stop.set()
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=10)
         assert not self.thread.is_alive(), "shard thread did not stop"
+        self.thread = None
+        self.ctx.term()
+
+    def restart(self) -> None:
+        self.close()
+        self.start()
 
 
 @pytest.fixture
 def shard_factory() -> Iterator:
     started: list[RunningShard] = []
 
-    def make(**overrides) -> RunningShard:
+    def make(log_dir: Path | None = None, **overrides) -> RunningShard:
         cfg = BufferConfig(endpoints=[f"tcp://127.0.0.1:{free_port()}"], **overrides)
-        shard = RunningShard(cfg)
+        shard = RunningShard(cfg, log_dir=log_dir)
         started.append(shard)
         return shard
 

@@ -1,29 +1,68 @@
-"""Buffer shards: where they listen and how they hold experience."""
+"""Buffer shards: where they listen, how they hold experience, and how durably."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sluice.config.base import Section
+
+
+class ReplayConfig(Section):
+    sampling: Literal["uniform", "prioritized"] = "uniform"
+    """uniform: every stored group equally likely. prioritized: proportional to (priority+eps)^alpha."""
+    alpha: float = Field(0.6, ge=0.0, le=1.0)
+    """Priority exponent (PER's alpha): 0 is uniform, 1 is fully proportional to priority."""
+    eps: float = Field(1e-6, gt=0.0)
+    """Added to every priority so that no stored group has probability 0."""
+    initial_priority: float | None = Field(None, gt=0.0)
+    """Priority of a newly stored group. None: the largest priority seen so far (PER's rule)."""
 
 
 class BufferConfig(Section):
     shards: int = Field(1, ge=1)
     """Number of shard servers; groups are placed by hash(group_id) % shards."""
-    mode: Literal["fifo"] = "fifo"
-    """fifo: consume-once under leases (ACK deletes, lease timeout or NACK redelivers)."""
+    mode: Literal["fifo", "replay"] = "fifo"
+    """fifo: consume-once under leases (ACK deletes, lease timeout or NACK redelivers).
+    replay: bounded ring (oldest evicted first), sampled with replacement (SAMPLE/PRIORITY)."""
     capacity: int = Field(65536, ge=1)
-    """Trajectories a shard holds (queued + leased) before it refuses PUT with retry-after."""
+    """Trajectories a shard holds (fifo: queued + leased, then PUT is refused; replay: ring size)."""
+    capacity_bytes: int = Field(4 << 30, ge=1 << 20)
+    """Payload bytes a shard holds (same rule as `capacity`): bounds memory for large trajectories."""
     lease_timeout_s: float = Field(60.0, gt=0)
     """A lease not ACKed within this time is returned to the queue."""
     max_message_bytes: int = Field(1 << 30, ge=1024)
     """ZMQ_MAXMSGSIZE of a shard: a larger message closes the sender's connection."""
     max_batch: int = Field(8192, ge=1)
-    """Most trajectories in one PUT, or asked for by one GET."""
+    """Most trajectories in one PUT, asked for by one GET or SAMPLE, or keys in one PRIORITY."""
+    max_policies: int = Field(64, ge=1)
+    """Distinct policy_ids a shard keeps streams for; a PUT that would add one more is refused."""
     retry_after_ms: int = Field(100, ge=1)
     """What a full shard tells producers to wait before the next PUT."""
+    dedupe_window: int = Field(1 << 18, ge=1024)
+    """traj_ids remembered for dedupe (between this and half of it, newest first; ~60 B each).
+    Must cover the ids a producer may still resend: PUT rate x the client's give-up time."""
+    replay: ReplayConfig = ReplayConfig()
+    """Sampling of `mode: replay` shards."""
+    durable: bool = True
+    """Keep an append-only log per shard; a restarted shard rebuilds its state from it.
+    False keeps everything in memory only (a restart loses the shard's contents)."""
+    log_dir: str | None = None
+    """Directory of shard k's log is <log_dir>/shard-<k>. None: <run dir>/buffer."""
+    fsync: Literal["always", "interval", "none"] = "interval"
+    """always: fsync before every reply that depends on a write (survives power loss).
+    interval: every `fsync_interval_ms`. none: never (survives a crash of the shard, not of the OS).
+    Every policy writes the record before it replies: a killed shard loses nothing it acknowledged."""
+    fsync_interval_ms: int = Field(200, ge=1)
+    """Most time between a write and its fsync with `fsync: interval`."""
+    segment_bytes: int = Field(64 << 20, ge=1 << 16)
+    """A log segment is closed and a new one started past this size (retired segments are reused)."""
+    compact_min_bytes: int = Field(256 << 20, ge=1 << 16)
+    """The log is never compacted below this size."""
+    compact_ratio: float = Field(2.0, ge=1.1)
+    """Compact when the log is larger than this times the bytes of the samples it still holds."""
     host: str = "127.0.0.1"
     """Host clients connect to when `endpoints` is empty."""
     base_port: int = Field(0, ge=0, le=65535)
@@ -32,6 +71,14 @@ class BufferConfig(Section):
     """Explicit client endpoints, one per shard (e.g. tcp://buffer-0:5555). Overrides host/port."""
     bind: list[str] = []
     """Explicit bind endpoints, one per shard (e.g. tcp://*:5555). Default: the endpoint."""
+
+    @model_validator(mode="after")
+    def _endpoint_counts(self) -> BufferConfig:
+        for name in ("endpoints", "bind"):
+            given = getattr(self, name)
+            if given and len(given) != self.shards:
+                raise ValueError(f"buffer.{name} has {len(given)} entries but buffer.shards is {self.shards}")
+        return self
 
     def endpoint(self, shard: int) -> str:
         if self.endpoints:
@@ -45,3 +92,17 @@ class BufferConfig(Section):
 
     def all_endpoints(self) -> list[str]:
         return [self.endpoint(k) for k in range(self.shards)]
+
+    def shard_log_dir(self, shard: int, run_dir: Path | None) -> Path | None:
+        """Where shard `shard` keeps its log; None when durability is off.
+        Raises if durability is on but neither `log_dir` nor a run directory says where."""
+        if not self.durable:
+            return None
+        if self.log_dir is not None:
+            return Path(self.log_dir) / f"shard-{shard}"
+        if run_dir is None:
+            raise ValueError(
+                "buffer.durable is true but neither buffer.log_dir nor run.dir is set: "
+                "set one of them, or buffer.durable=false to run without a log"
+            )
+        return run_dir / "buffer" / f"shard-{shard}"

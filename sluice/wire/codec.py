@@ -135,10 +135,15 @@ def error_reply(request_id: int, code: str, message: str, retry_after_ms: int = 
 # Arrays
 
 
+# numpy dtype <-> wire name, looked up per array on hot paths (str(dtype) costs microseconds).
+_NUMPY_DTYPES = {name: np.dtype(np.uint16 if name == "bfloat16" else name) for name in DTYPES}
+_WIRE_NAMES = {np.dtype(name): name for name in DTYPES if name != "bfloat16"}
+
+
 def array_spec(name: str, array: np.ndarray) -> ArraySpec:
-    dtype = str(array.dtype)
-    if dtype not in DTYPES:
-        raise ValueError(f"array {name!r}: dtype {dtype} is not one of {sorted(DTYPES)}")
+    dtype = _WIRE_NAMES.get(array.dtype.newbyteorder("=") if array.dtype.byteorder == ">" else array.dtype)
+    if dtype is None:
+        raise ValueError(f"array {name!r}: dtype {array.dtype} is not one of {sorted(DTYPES)}")
     return ArraySpec(name=name, dtype=dtype, shape=list(array.shape))
 
 
@@ -146,6 +151,8 @@ def array_payload(array: np.ndarray) -> memoryview:
     """The bytes of an array as one frame (little-endian, C order; copies only if needed)."""
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
+    if array.ndim == 1 and array.flags.c_contiguous:
+        return memoryview(array).cast("B")
     return memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
 
 
@@ -194,5 +201,4 @@ def split_payload(trajs: Sequence[TrajectoryMeta], payload: Sequence[Frame]) -> 
 
 def view_array(spec: ArraySpec, frame: Frame) -> np.ndarray:
     """A read-only numpy view of a payload frame. bfloat16 comes back as uint16 words."""
-    dtype = np.uint16 if spec.dtype == "bfloat16" else np.dtype(spec.dtype)
-    return np.frombuffer(frame_bytes(frame), dtype=dtype).reshape(spec.shape)
+    return np.frombuffer(frame_bytes(frame), dtype=_NUMPY_DTYPES[spec.dtype]).reshape(spec.shape)

@@ -77,6 +77,29 @@ class NackRequest(_Request, tag="NACK"):
     lease_id: str
 
 
+class SampleRequest(_Request, tag="SAMPLE"):
+    """Replay shards: draw `n` groups with replacement (uniform or by priority). No lease."""
+
+    n: int  # W: learner, groups to draw (0: only report count and total_priority). R: shard
+    min_version: int = 0  # W: learner. R: shard drops (and counts) older groups before drawing
+    policy_id: str = "default"  # W: learner. R: shard (which stream)
+    beta: float = 0.4  # W: learner, importance-weight exponent (PER's beta). R: shard (weights)
+    seed: int | None = None  # W: learner, for reproducible draws (tests). R: shard's sampler
+
+
+class PriorityRequest(_Request, tag="PRIORITY"):
+    """Replay shards: new priorities for groups drawn earlier (keys from SampleReply.items)."""
+
+    keys: list[int]  # W: learner, SampledItem.key of each group. R: shard (unknown keys are skipped)
+    priorities: list[float]  # W: learner, one per key, finite and >= 0. R: shard
+
+
+class CancelRequest(_Request, tag="CANCEL"):
+    """Ends a parked (long-polling) GET of the same connection early; it is answered at once."""
+
+    target: int  # W: client, the id of its parked GET. R: shard
+
+
 class StatsRequest(_Request, tag="STATS"):
     pass
 
@@ -85,7 +108,17 @@ class PingRequest(_Request, tag="PING"):
     pass
 
 
-Request = PutRequest | GetRequest | AckRequest | NackRequest | StatsRequest | PingRequest
+Request = (
+    PutRequest
+    | GetRequest
+    | AckRequest
+    | NackRequest
+    | SampleRequest
+    | PriorityRequest
+    | CancelRequest
+    | StatsRequest
+    | PingRequest
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,10 +144,37 @@ class GetReply(_Reply, tag="GET"):
 
 class AckReply(_Reply, tag="ACK"):
     count: int = 0  # trajectories deleted
+    replayed: bool = False  # the lease had been ACKed before (e.g. a resend after a lost reply)
 
 
 class NackReply(_Reply, tag="NACK"):
     count: int = 0  # trajectories requeued
+
+
+class SampledItem(msgspec.Struct, forbid_unknown_fields=True):
+    """One drawn group of a SampleReply; its trajectories follow in `trajs`, in order."""
+
+    key: int  # W: shard, the group's key for PRIORITY updates. R: learner
+    size: int  # W: shard, trajectories of this group in `trajs`. R: client (splits `trajs`)
+    prob: float  # W: shard, probability of drawing this group from this shard. R: client (weights)
+    weight: float  # W: shard, (count * prob)^-beta / max over the reply. R: learner (loss weights)
+
+
+class SampleReply(_Reply, tag="SAMPLE"):
+    items: list[SampledItem] = []  # one per draw (a group drawn twice appears twice)
+    trajs: list[TrajectoryMeta] = []  # the trajectories of every item, in order; payload follows
+    count: int = 0  # groups eligible for drawing (after dropping stale ones)
+    total_priority: float = 0.0  # sum of their sampling priorities (the normaliser of `prob`)
+    dropped_stale: int = 0  # trajectories dropped by this SAMPLE for being older than min_version
+
+
+class PriorityReply(_Reply, tag="PRIORITY"):
+    updated: int = 0  # keys whose priority was set
+    unknown: int = 0  # keys no longer stored (evicted or dropped): skipped
+
+
+class CancelReply(_Reply, tag="CANCEL"):
+    cancelled: bool = False  # False: the target had been answered already (or never parked)
 
 
 class StatsReply(_Reply, tag="STATS"):
@@ -134,6 +194,8 @@ ErrorCode = Literal[
     "TOO_LARGE",  # the message or batch exceeds a configured limit
     "FULL",  # the shard is at capacity; retry after retry_after_ms
     "UNKNOWN_LEASE",  # ACK/NACK of a lease that expired or never existed
+    "WRONG_MODE",  # an op of the other buffer mode (GET/ACK/NACK on replay, SAMPLE/PRIORITY on fifo)
+    "UNAVAILABLE",  # the shard cannot write its log; nothing was changed, retry later
     "INTERNAL",  # a bug in the server; it keeps serving
 ]
 
@@ -145,4 +207,15 @@ class ErrorReply(_Reply, tag="ERROR"):
     retry_after_ms: int = 0  # set with FULL
 
 
-Reply = PutReply | GetReply | AckReply | NackReply | StatsReply | PingReply | ErrorReply
+Reply = (
+    PutReply
+    | GetReply
+    | AckReply
+    | NackReply
+    | SampleReply
+    | PriorityReply
+    | CancelReply
+    | StatsReply
+    | PingReply
+    | ErrorReply
+)

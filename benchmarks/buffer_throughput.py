@@ -1,0 +1,552 @@
+"""Buffer throughput: PUT + GET + ACK through 1 and N shards, against two baselines run alongside.
+
+For each trajectory size, in the same run:
+- raw ZeroMQ PUSH -> PULL over tcp loopback moving the same bytes (one message per trajectory,
+  zero-copy send): the ceiling for anything built on ZeroMQ;
+- raw ZeroMQ PUSH -> relay process -> PULL: the same bytes over the same topology as a buffer
+  (producer -> shard -> consumer, two hops through a middle process), with no buffer logic:
+  the ceiling for any buffer that is its own process;
+- ray.util.queue.Queue (an actor-backed queue, what verl and OpenRLHF use) moving numpy arrays
+  of the same size from a Ray task to the driver;
+- Sluice: a producer process PUTs (batched), the consumer (this process) GETs and ACKs, with
+  shard processes writing their durable log (fsync policy `--fsync`, default none).
+Throughput is trajectories (and payload MB) per second, measured after a warm-up (as for the
+baselines): for Sluice, enough data for each shard's log to compact once and start reusing
+its segment files (the steady state of a long run; `SHARD_LOG` below).
+CPU s/GB is the CPU time (user + system) of every process of the case (sender/producer,
+relay/shards, receiver/consumer) per GB moved: unlike throughput it hardly depends on what
+else loads the machine. Then one shard is filled to capacity to measure its memory (RSS).
+
+    python benchmarks/buffer_throughput.py            # a couple of minutes
+    python benchmarks/buffer_throughput.py --quick    # seconds (the smoke test uses it)
+
+Prints a table and writes JSON (default benchmarks/results/buffer_throughput.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import zmq
+from rich.console import Console
+from rich.table import Table
+
+KB = 1024
+MB = 1024 * 1024
+SIZE_NAMES = {"1KB": KB, "16KB": 16 * KB, "256KB": 256 * KB, "4MB": 4 * MB}
+SHARD_LOG = {"compact_min_bytes": 128 * MB, "segment_bytes": 32 * MB}  # log settings of the shards
+
+
+@dataclass
+class Case:
+    system: str  # raw_zmq | raw_zmq_relay | ray_queue | sluice
+    shards: int
+    size: int
+    n: int
+    seconds: float
+    batch: int = 1
+    note: str = ""
+    cpu_s: float | None = None  # CPU time of every process of the case (None: not measured)
+
+    @property
+    def trajs_per_s(self) -> float:
+        return self.n / self.seconds
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.n * self.size / self.seconds / MB
+
+    @property
+    def cpu_s_per_gb(self) -> float | None:
+        return None if self.cpu_s is None else self.cpu_s / (self.n * self.size / (1 << 30))
+
+
+@dataclass
+class MemoryPoint:
+    size: int
+    capacity: int
+    held_bytes: int
+    rss_empty: int
+    rss_full: int
+
+    @property
+    def overhead(self) -> float:
+        return (self.rss_full - self.rss_empty) / max(1, self.held_bytes)
+
+
+@dataclass
+class Results:
+    cases: list[Case] = field(default_factory=list)
+    memory: list[MemoryPoint] = field(default_factory=list)
+    machine: dict = field(default_factory=dict)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def count_for(size: int, budget_bytes: int, lo: int, hi: int) -> int:
+    return int(min(hi, max(lo, budget_bytes // size)))
+
+
+def put_batch_for(size: int) -> int:
+    """Trajectories per PUT: about 4 MB per message, at most 256."""
+    return int(max(1, min(256, (4 * MB) // size)))
+
+
+def free_endpoint() -> str:
+    from sluice.net import free_port
+
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+class CpuMeter:
+    """CPU time (user + system, threads included) of this process and the given children."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.procs = [psutil.Process()] + [psutil.Process(p) for p in pids]
+        self.start = self._now()
+
+    def _now(self) -> list[float]:
+        out = []
+        for p in self.procs:
+            try:
+                t = p.cpu_times()
+                out.append(t.user + t.system)
+            except psutil.NoSuchProcess:
+                out.append(float("nan"))
+        return out
+
+    def used(self) -> float:
+        return sum(b - a for a, b in zip(self.start, self._now()))
+
+
+# -- raw ZeroMQ --------------------------------------------------------------------------------
+
+
+def _raw_sender(endpoint: str, size: int, n: int) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 1000)
+    sock.connect(endpoint)
+    payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    for _ in range(n):
+        sock.send(payload, copy=False)
+    sock.close(linger=-1)
+    ctx.term()
+
+
+def _raw_relay(bind_in: str, connect_out: str, n: int) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (pull, push):
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+    pull.bind(bind_in)
+    push.connect(connect_out)
+    for _ in range(n):
+        push.send(pull.recv(copy=False), copy=False)
+    pull.close()
+    push.close(linger=-1)
+    ctx.term()
+
+
+def bench_raw_zmq(size: int, n: int, relay: bool = False) -> Case:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 1000)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = free_endpoint()
+    sock.bind(endpoint)
+    warm = max(1, n // 20)
+    ctx_mp = mp.get_context("spawn")
+    procs = [ctx_mp.Process(target=_raw_sender, args=(endpoint, size, n + warm))]
+    if relay:
+        relay_in = free_endpoint()
+        procs = [
+            ctx_mp.Process(target=_raw_relay, args=(relay_in, endpoint, n + warm)),
+            ctx_mp.Process(target=_raw_sender, args=(relay_in, size, n + warm)),
+        ]
+    for p in procs:
+        p.start()
+    try:
+        for _ in range(warm):
+            if not sock.poll(60_000):
+                raise TimeoutError("raw zmq: sender silent")
+            sock.recv(copy=False)
+        meter = CpuMeter([p.pid for p in procs])
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if not sock.poll(60_000):
+                raise TimeoutError("raw zmq: sender silent")
+            sock.recv(copy=False)
+        seconds = time.perf_counter() - t0
+        cpu = meter.used()
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        sock.close()
+        ctx.term()
+    return Case("raw_zmq_relay" if relay else "raw_zmq", 0, size, n, seconds, cpu_s=cpu)
+
+
+# -- Ray queue ---------------------------------------------------------------------------------
+
+
+class RayBaseline:
+    def __init__(self) -> None:
+        import ray
+
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        self.ray = ray
+
+    def run(self, size: int, n: int) -> Case:
+        from ray.util.queue import Queue
+
+        ray = self.ray
+        queue = Queue(maxsize=64)
+
+        @ray.remote
+        def produce(q, size: int, n: int) -> int:
+            payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+            for _ in range(n):
+                q.put(payload)
+            return n
+
+        warm = max(1, n // 20)
+        ref = produce.remote(queue, size, n + warm)
+        for _ in range(warm):
+            queue.get(timeout=120)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            queue.get(timeout=120)
+        seconds = time.perf_counter() - t0
+        ray.get(ref, timeout=120)
+        queue.shutdown()
+        return Case("ray_queue", 0, size, n, seconds)
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+
+# -- Sluice ------------------------------------------------------------------------------------
+
+
+def _shard_main(cfg_json: str, shard: int, log_dir: str | None, ready, stop) -> None:
+    from buffer.server import ShardServer
+    from sluice.config.buffer import BufferConfig
+
+    cfg = BufferConfig.model_validate_json(cfg_json)
+    server = ShardServer(cfg, shard, log_dir=Path(log_dir) if log_dir else None)
+    stop_flag = threading.Event()
+    threading.Thread(target=lambda: (stop.wait(), stop_flag.set()), daemon=True).start()
+    ready.set()
+    server.serve(stop_flag)
+
+
+def warmup_count(size: int, shards: int, n: int) -> int:
+    """Trajectories pushed through before timing: a compaction cycle per shard (bounded)."""
+    cycle = SHARD_LOG["compact_min_bytes"] + 2 * SHARD_LOG["segment_bytes"]
+    return int(min(20000, max(n // 20, cycle * shards // size)))
+
+
+def _producer_main(endpoints: list[str], size: int, n: int, batch: int, ready, go, done) -> None:
+    from buffer.client import BufferClient
+    from sluice.trajectory import Trajectory
+
+    # One buffer, a distinct view of it per trajectory (as a rollout's arrays are distinct):
+    # no copies, and numpy does not pile up buffer exports on one shared array.
+    block = np.random.default_rng(0).integers(0, 255, size * batch, dtype=np.uint8)
+    views = [block[j * size : (j + 1) * size] for j in range(batch)]
+    run = uuid.uuid4().hex[:8]
+    with BufferClient(endpoints, timeout_s=60, put_give_up_s=300) as client:
+        client.ping(timeout_s=30)  # connected to every shard before the clock starts
+        ready.set()
+        go.wait()
+        for start in range(0, n, batch):
+            trajs = [
+                Trajectory(
+                    traj_id=f"{run}-{i}", group_id=f"{run}-{i}", version=0, arrays={"x": views[i - start]}
+                )
+                for i in range(start, min(n, start + batch))
+            ]
+            client.put(trajs)
+    done.set()
+
+
+class ShardFleet:
+    """N shard processes with their own logs in a temporary directory."""
+
+    def __init__(self, shards: int, fsync: str, durable: bool, capacity: int, capacity_bytes: int) -> None:
+        from sluice.config.buffer import BufferConfig
+
+        self.tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+        self.cfg = BufferConfig(
+            shards=shards,
+            endpoints=[free_endpoint() for _ in range(shards)],
+            fsync=fsync,
+            durable=durable,
+            capacity=capacity,
+            capacity_bytes=capacity_bytes,
+            log_dir=str(self.tmp),
+            **SHARD_LOG,
+        )
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        self.procs = []
+        for k in range(shards):
+            ready = ctx.Event()
+            log_dir = str(self.cfg.shard_log_dir(k, None)) if durable else None
+            p = ctx.Process(
+                target=_shard_main, args=(self.cfg.model_dump_json(), k, log_dir, ready, self.stop)
+            )
+            p.start()
+            if not ready.wait(60):
+                raise TimeoutError(f"shard {k} did not start")
+            self.procs.append(p)
+
+    def close(self) -> None:
+        self.stop.set()
+        for p in self.procs:
+            p.join(timeout=15)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def bench_sluice(shards: int, size: int, n: int, fsync: str, durable: bool = True) -> Case:
+    from buffer.client import BufferClient
+
+    batch = put_batch_for(size)
+    capacity = max(4 * batch * shards, 4096)
+    fleet = ShardFleet(
+        shards, fsync, durable, capacity=capacity, capacity_bytes=max(1 << 30, 8 * batch * size)
+    )
+    ctx = mp.get_context("spawn")
+    ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
+    warm = warmup_count(size, shards, n) if durable else max(1, n // 20)
+    total = warm + n
+    producer = ctx.Process(
+        target=_producer_main, args=(fleet.cfg.endpoints, size, total, batch, ready, go, done)
+    )
+    producer.start()
+    try:
+        with BufferClient(fleet.cfg.endpoints, timeout_s=60) as client:
+            got = 0
+            client.ping(timeout_s=30)
+            if not ready.wait(120):
+                raise TimeoutError("producer did not start")
+            go.set()
+            idle_since = time.monotonic()
+            meter, t0, counted_from = None, 0.0, 0
+            while got < total:
+                if meter is None and got >= warm:
+                    meter, t0, counted_from = (
+                        CpuMeter([producer.pid] + [p.pid for p in fleet.procs]),
+                        time.perf_counter(),
+                        got,
+                    )
+                leased = client.get(2 * batch, wait_ms=200)
+                if leased.trajs:
+                    got += len(leased.trajs)
+                    client.ack(leased)
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > 60:
+                    raise TimeoutError(f"sluice: no data for 60 s after {got}/{total}")
+            seconds = time.perf_counter() - t0
+            cpu = meter.used()
+            n = got - counted_from
+        producer.join(timeout=60)
+    finally:
+        if producer.is_alive():
+            producer.kill()
+        fleet.close()
+    note = f"log, fsync={fsync}" if durable else "no log"
+    return Case("sluice", shards, size, n, seconds, batch=batch, note=note, cpu_s=cpu)
+
+
+def measure_memory(size: int, capacity: int) -> MemoryPoint:
+    """Fill one shard to capacity; RSS of the shard process before and after."""
+    from buffer.client import BufferClient, BufferError
+    from sluice.trajectory import Trajectory
+
+    fleet = ShardFleet(1, "none", True, capacity=capacity, capacity_bytes=capacity * size + MB)
+    try:
+        proc = psutil.Process(fleet.procs[0].pid)
+        time.sleep(0.5)
+        rss_empty = proc.memory_info().rss
+        payload = np.zeros(size, dtype=np.uint8)
+        batch = put_batch_for(size)
+        run = uuid.uuid4().hex[:8]
+        with BufferClient(fleet.cfg.endpoints, timeout_s=60, put_give_up_s=0.5) as client:
+            i = 0
+            while i < capacity:
+                trajs = [
+                    Trajectory(traj_id=f"{run}-{j}", group_id=f"{run}-{j}", version=0, arrays={"x": payload})
+                    for j in range(i, min(capacity, i + batch))
+                ]
+                client.put(trajs)
+                i += len(trajs)
+            try:
+                client.put([Trajectory(traj_id="over", group_id="over", version=0, arrays={"x": payload})])
+                raise AssertionError("a full shard accepted one more trajectory")
+            except BufferError as e:
+                assert e.code == "FULL", e
+            held = client.stats()[0].stats["held_bytes"]
+            time.sleep(0.3)
+            rss_full = proc.memory_info().rss
+    finally:
+        fleet.close()
+    return MemoryPoint(size, capacity, held, rss_empty, rss_full)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def size_name(size: int) -> str:
+    return next((k for k, v in SIZE_NAMES.items() if v == size), f"{size}B")
+
+
+def report(results: Results, console: Console) -> None:
+    by_size: dict[int, dict[str, Case]] = {}
+    for c in results.cases:
+        by_size.setdefault(c.size, {})[f"{c.system}/{c.shards}/{c.note}"] = c
+    table = Table(title="Buffer throughput: PUT + GET + ACK (sluice) vs raw ZeroMQ and Ray queue")
+    cols = (
+        "size",
+        "system",
+        "shards",
+        "batch",
+        "trajs/s",
+        "MB/s",
+        "vs raw",
+        "vs relay",
+        "vs ray",
+        "CPU s/GB",
+    )
+    for col in cols:
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for size in sorted(by_size):
+        cases = by_size[size]
+        raw = next((c for c in cases.values() if c.system == "raw_zmq"), None)
+        relay = next((c for c in cases.values() if c.system == "raw_zmq_relay"), None)
+        ray = next((c for c in cases.values() if c.system == "ray_queue"), None)
+        for c in cases.values():
+            name = c.system if not c.note else f"{c.system} ({c.note})"
+            table.add_row(
+                size_name(size),
+                name,
+                str(c.shards or "-"),
+                str(c.batch),
+                f"{c.trajs_per_s:,.0f}",
+                f"{c.mb_per_s:,.1f}",
+                f"{c.mb_per_s / raw.mb_per_s:.0%}" if raw else "-",
+                f"{c.mb_per_s / relay.mb_per_s:.0%}" if relay else "-",
+                f"{c.mb_per_s / ray.mb_per_s:.1f}x" if ray else "-",
+                f"{c.cpu_s_per_gb:.2f}" if c.cpu_s_per_gb is not None else "-",
+            )
+    console.print(table)
+    if results.memory:
+        mem = Table(title="Shard memory at capacity")
+        for col in ("size", "capacity", "payload MB", "RSS empty MB", "RSS full MB", "RSS growth / payload"):
+            mem.add_column(col, justify="right")
+        for m in results.memory:
+            mem.add_row(
+                size_name(m.size),
+                str(m.capacity),
+                f"{m.held_bytes / MB:.1f}",
+                f"{m.rss_empty / MB:.1f}",
+                f"{m.rss_full / MB:.1f}",
+                f"{m.overhead:.2f}",
+            )
+        console.print(mem)
+    console.print(f"machine: {results.machine}")
+
+
+def to_json(results: Results) -> dict:
+    return {
+        "cases": [
+            asdict(c) | {"trajs_per_s": c.trajs_per_s, "mb_per_s": c.mb_per_s, "cpu_s_per_gb": c.cpu_s_per_gb}
+            for c in results.cases
+        ],
+        "memory": [asdict(m) | {"overhead": m.overhead} for m in results.memory],
+        "machine": results.machine,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny volumes (seconds): smoke test")
+    ap.add_argument("--sizes", default="1KB,16KB,256KB,4MB", help=f"comma-separated, of {list(SIZE_NAMES)}")
+    ap.add_argument("--shards", default="1,4", help="comma-separated shard counts")
+    ap.add_argument("--fsync", default="none", choices=["always", "interval", "none"])
+    ap.add_argument("--mb-per-case", type=int, default=512, help="payload volume per measurement")
+    ap.add_argument("--no-ray", action="store_true", help="skip the Ray queue baseline")
+    ap.add_argument("--extra-256kb", action="store_true", help="also 256KB with fsync=interval and no log")
+    ap.add_argument("--out", default="benchmarks/results/buffer_throughput.json")
+    args = ap.parse_args()
+    console = Console()
+    sizes = [SIZE_NAMES[s] for s in args.sizes.split(",")]
+    shard_counts = [int(s) for s in args.shards.split(",")]
+    budget = args.mb_per_case * MB
+    lo, hi = 200, 20000
+    ray_budget = min(budget, 128 * MB)
+    memory_points = [(256 * KB, 1024), (KB, 65536)]
+    if args.quick:
+        sizes = [KB, 256 * KB] if args.sizes == ap.get_default("sizes") else sizes
+        budget, ray_budget, lo, hi = 16 * MB, 8 * MB, 50, 2000
+        memory_points = [(256 * KB, 64)]
+
+    results = Results()
+    results.machine = {
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "zmq": zmq.zmq_version(),
+    }
+    ray = None if args.no_ray else RayBaseline()
+    try:
+        for size in sizes:
+            n = count_for(size, budget, lo, hi)
+            console.print(f"[bold]{size_name(size)}[/]: {n} trajectories per case")
+            results.cases.append(bench_raw_zmq(size, n))
+            results.cases.append(bench_raw_zmq(size, n, relay=True))
+            if ray is not None:
+                results.cases.append(ray.run(size, count_for(size, ray_budget, lo // 2, hi // 4)))
+            for shards in shard_counts:
+                results.cases.append(bench_sluice(shards, size, n, args.fsync))
+                console.print(f"  sluice {shards} shard(s): {results.cases[-1].mb_per_s:,.1f} MB/s")
+            if args.extra_256kb and size == 256 * KB:
+                results.cases.append(bench_sluice(1, size, n, "interval"))
+                results.cases.append(bench_sluice(1, size, n, "none", durable=False))
+    finally:
+        if ray is not None:
+            ray.close()
+    for size, capacity in memory_points:
+        results.memory.append(measure_memory(size, capacity))
+    results.machine["loadavg_end"] = os.getloadavg()
+    report(results, console)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(to_json(results), indent=2))
+    console.print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The storage of one shard: a base class shared by the two modes and the factory.
+
+A store is a pure data structure (no sockets, no files, no clock of its own), so its semantics
+are tested directly. Mutations that must be durable are split in two so the shard can write
+its log in between: `prepare_put` validates and numbers a PUT without changing anything, the
+log writes it, `commit_put` applies it. Removals that are not answers to anyone (stale drops)
+are applied at once and collected for the log with `take_dropped`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from buffer.dedupe import DedupeWindow
+from buffer.groups import Group, PreparedPut, PutTooLarge, assemble_groups
+from sluice.config.buffer import BufferConfig
+from sluice.wire.codec import Frame
+from sluice.wire.messages import TrajectoryMeta
+
+
+@dataclass
+class StoreCounters:
+    put_trajs: int = 0
+    duplicates: int = 0
+    leased_trajs: int = 0
+    acked_trajs: int = 0
+    redelivered_trajs: int = 0
+    dropped_stale: int = 0
+    refused_full: int = 0
+    evicted_trajs: int = 0
+    sampled_groups: int = 0
+    priority_updates: int = 0
+
+
+class ShardStore(ABC):
+    mode: ClassVar[str]
+
+    def __init__(self, capacity: int, capacity_bytes: int, dedupe_window: int, max_policies: int) -> None:
+        self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
+        self.max_policies = max_policies
+        self.dedupe = DedupeWindow(dedupe_window)
+        self.counters = StoreCounters()
+        self.next_seq = 0
+        self.held = 0  # trajectories counted against capacity
+        self.held_bytes = 0
+        self.policy_trajs: Counter[str] = Counter()
+        self.version_trajs: Counter[int] = Counter()  # fifo: queued; replay: stored
+        self._dropped: list[int] = []
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def prepare_put(self, metas: Sequence[TrajectoryMeta], frames: Sequence[Sequence[Frame]]) -> PreparedPut:
+        """Validate a PUT and decide its effect (raises GroupIncomplete, ShardFull, PutTooLarge)."""
+        prepared = assemble_groups(metas, frames, self.dedupe, self.next_seq)
+        new_policies = {g.policy_id for g in prepared.groups} - set(self.policy_trajs)
+        if len(self.policy_trajs) + len(new_policies) > self.max_policies:
+            raise PutTooLarge(
+                f"policy_id {sorted(new_policies)[0]!r}: the shard already holds "
+                f"{len(self.policy_trajs)} policies (buffer.max_policies={self.max_policies})"
+            )
+        if prepared.accepted > self.capacity or prepared.nbytes > self.capacity_bytes:
+            raise PutTooLarge(
+                f"trajs: {prepared.accepted} trajectories / {prepared.nbytes} bytes can never fit "
+                f"capacity {self.capacity} / capacity_bytes {self.capacity_bytes}"
+            )
+        self._admit(prepared)
+        return prepared
+
+    def commit_put(self, prepared: PreparedPut) -> None:
+        self._evict(prepared.evicted)
+        for group in prepared.groups:
+            self._insert(group)
+        if prepared.groups:
+            self.next_seq = prepared.groups[-1].seq + 1
+        self.dedupe.add_hashes(prepared.new_hashes)
+        self.counters.put_trajs += prepared.accepted
+        self.counters.duplicates += prepared.duplicates
+
+    def put(self, metas: Sequence[TrajectoryMeta], frames: Sequence[Sequence[Frame]]) -> tuple[int, int]:
+        """prepare + commit, for callers without a log. Returns (accepted, duplicates)."""
+        prepared = self.prepare_put(metas, frames)
+        self.commit_put(prepared)
+        return prepared.accepted, prepared.duplicates
+
+    def restore(self, groups: Iterable[Group], priorities: dict[int, float], next_seq: int) -> None:
+        """Rebuild from the log: `groups` in seq order, none of them seen by this store yet."""
+        for group in groups:
+            self._insert(group, priorities.get(group.seq))
+            self.dedupe.add_many(t.meta.traj_id for t in group.trajs)
+        self.next_seq = max(self.next_seq, next_seq)
+
+    def take_dropped(self) -> list[int]:
+        """Seqs of groups dropped since the last call (for the log)."""
+        out, self._dropped = self._dropped, []
+        return out
+
+    # -- introspection -------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return self.held
+
+    @abstractmethod
+    def live_groups(self) -> list[Group]:
+        """Every group still held, in seq order (what a log snapshot must keep)."""
+
+    def priorities(self) -> dict[int, float]:
+        """Raw priorities by seq (replay only)."""
+        return {}
+
+    def version_counts(self) -> dict[str, int]:
+        return {str(v): c for v, c in sorted(self.version_trajs.items()) if c}
+
+    def stats(self) -> dict[str, int]:
+        c = self.counters
+        return {
+            "capacity": self.capacity,
+            "capacity_bytes": self.capacity_bytes,
+            "held": self.held,
+            "held_bytes": self.held_bytes,
+            "policies": len(self.policy_trajs),
+            "dedupe_ids": len(self.dedupe),
+            "put": c.put_trajs,
+            "duplicates": c.duplicates,
+            "dropped_stale": c.dropped_stale,
+            "refused_full": c.refused_full,
+        }
+
+    # -- for subclasses ------------------------------------------------------------------------
+
+    @abstractmethod
+    def _admit(self, prepared: PreparedPut) -> None:
+        """Refuse (ShardFull) or plan evictions (prepared.evicted) for a PUT."""
+
+    @abstractmethod
+    def _insert(self, group: Group, priority: float | None = None) -> None: ...
+
+    @abstractmethod
+    def _evict(self, seqs: list[int]) -> None: ...
+
+    def _account(self, group: Group, sign: int) -> None:
+        self.held += sign * group.size
+        self.held_bytes += sign * group.nbytes
+        self.policy_trajs[group.policy_id] += sign * group.size
+        if self.policy_trajs[group.policy_id] <= 0:
+            del self.policy_trajs[group.policy_id]
+
+    def _count_version(self, group: Group, sign: int) -> None:
+        self.version_trajs[group.version] += sign * group.size
+        if self.version_trajs[group.version] <= 0:
+            del self.version_trajs[group.version]
+
+    def _drop(self, group: Group) -> None:
+        """Bookkeeping of a stale group removed from wherever the subclass kept it."""
+        self.counters.dropped_stale += group.size
+        self._dropped.append(group.seq)
+
+
+def build_store(cfg: BufferConfig) -> ShardStore:
+    """The store of `cfg.mode`."""
+    from buffer.fifo_store import FifoStore
+    from buffer.replay_store import ReplayStore
+
+    common = dict(
+        capacity=cfg.capacity,
+        capacity_bytes=cfg.capacity_bytes,
+        dedupe_window=cfg.dedupe_window,
+        max_policies=cfg.max_policies,
+    )
+    if cfg.mode == "fifo":
+        return FifoStore(lease_timeout_s=cfg.lease_timeout_s, **common)
+    return ReplayStore(replay=cfg.replay, **common)

@@ -1,0 +1,38 @@
+"""Smoke test of benchmarks/buffer_throughput.py --quick: every system runs, the JSON is whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_buffer_benchmark_quick(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/buffer_throughput.py", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Buffer throughput" in proc.stdout and "Shard memory at capacity" in proc.stdout
+    data = json.loads(out.read_text())
+    cases = {(c["system"], c["shards"], c["size"]) for c in data["cases"]}
+    for size in (1024, 256 * 1024):
+        assert {("raw_zmq", 0, size), ("raw_zmq_relay", 0, size), ("ray_queue", 0, size)} <= cases
+        assert {("sluice", 1, size), ("sluice", 4, size)} <= cases
+    assert all(c["mb_per_s"] > 0 and c["trajs_per_s"] > 0 for c in data["cases"])
+    assert all(c["cpu_s"] > 0 for c in data["cases"] if c["system"] == "sluice")
+    memory = data["memory"][0]
+    assert memory["held_bytes"] == memory["capacity"] * memory["size"]  # filled to capacity
+    assert memory["rss_full"] > memory["rss_empty"]

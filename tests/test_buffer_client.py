@@ -1,0 +1,195 @@
+"""The client over several shards: placement, fair reads, down shards, pinning, batching, leases."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import zmq
+
+from buffer.client import BufferClient, BufferError, ShardUnavailable, shard_of
+from sluice.net import free_port
+
+
+def group(gid: str, size: int = 2, version: int = 0) -> list:
+    from sluice.trajectory import Trajectory
+
+    return [
+        Trajectory(
+            traj_id=f"{gid}/{j}",
+            group_id=gid,
+            version=version,
+            group_size=size,
+            arrays={"x": np.full(16, j, dtype=np.int32)},
+        )
+        for j in range(size)
+    ]
+
+
+def gids_with_home(home: int, n_shards: int, count: int, prefix: str = "g") -> list[str]:
+    out, i = [], 0
+    while len(out) < count:
+        gid = f"{prefix}{i}"
+        if shard_of(gid, n_shards) == home:
+            out.append(gid)
+        i += 1
+    return out
+
+
+def test_groups_stay_whole_on_their_home_shard(shard_factory):
+    shards = [shard_factory() for _ in range(3)]
+    with BufferClient([s.endpoint for s in shards], timeout_s=5) as client:
+        trajs = [t for i in range(30) for t in group(f"g{i}", size=4)]
+        assert client.put(trajs).accepted == 120  # one call, one message per shard
+        expected = Counter(shard_of(f"g{i}", 3) for i in range(30))
+        assert len(expected) == 3
+        assert [r.stats["held"] for r in client.stats()] == [4 * expected[k] for k in range(3)]
+        batch = client.get(1000)
+        per_group = Counter(t.group_id for t in batch.trajs)
+        assert len(per_group) == 30 and set(per_group.values()) == {4}
+
+
+def test_reads_visit_every_shard_in_turn(shard_factory):
+    shards = [shard_factory() for _ in range(2)]
+    with BufferClient([s.endpoint for s in shards], timeout_s=5) as client:
+        for home in (0, 1):
+            for gid in gids_with_home(home, 2, 10, prefix=f"h{home}-"):
+                client.put(group(gid, size=1))
+        served = []
+        for _ in range(10):
+            batch = client.get(1)
+            served.append(batch.leases[0][0])
+            client.ack(batch)
+        assert Counter(served) == {0: 5, 1: 5}
+
+
+def test_new_groups_route_around_a_down_shard_and_reads_skip_it(shard_factory):
+    up, down = shard_factory(), shard_factory()
+    with BufferClient([up.endpoint, down.endpoint], timeout_s=5) as client:
+        assert client.ping(timeout_s=10)
+        down.close()
+        gids = gids_with_home(1, 2, 10)
+        reply = client.put([t for g in gids for t in group(g)])
+        assert reply.accepted == 20 and client.rerouted_groups == 10
+        batch = client.get(100)  # the down shard is skipped, not waited for
+        assert sorted({t.group_id for t in batch.trajs}) == sorted(gids)
+        assert client.ack(batch) == 20
+        assert not client.ping(timeout_s=0.3)
+
+
+def test_a_put_that_may_have_arrived_stays_pinned_and_gives_up(shard_factory, zmq_ctx):
+    """A shard that takes requests and never answers: the PUT may have been stored there, so it
+    is retried there only (never rerouted, which could store it twice) and fails after the
+    give-up time instead of blocking."""
+    hole = zmq_ctx.socket(zmq.ROUTER)
+    hole.setsockopt(zmq.LINGER, 0)
+    hole_ep = f"tcp://127.0.0.1:{free_port()}"
+    hole.bind(hole_ep)
+    good = shard_factory()
+    gid = gids_with_home(0, 2, 1)[0]
+    with BufferClient([hole_ep, good.endpoint], timeout_s=0.3, put_give_up_s=1.5) as client:
+        # (no PING first: a failed one would mark the hole down, and a new group would then
+        # rightly go to the good shard)
+        with pytest.raises(ShardUnavailable):
+            client.put(group(gid))
+        with pytest.raises(ShardUnavailable):
+            client.put(group(gid))  # the caller's own retry is pinned too
+        assert client.links[0].failures < 100  # backed off, did not spin
+    with BufferClient([good.endpoint], timeout_s=5) as observer:
+        assert observer.stats()[0].stats["held"] == 0
+    puts = 0
+    while hole.poll(100):
+        frames = hole.recv_multipart()
+        puts += b"PUT" in frames[2]
+    assert puts >= 1  # the PUTs went to the hole (and never to the good shard)
+
+
+def test_put_waits_for_a_shard_that_starts_late(shard_factory):
+    shard = shard_factory()
+    shard.close()  # not up yet when the producer starts
+    result = {}
+    with BufferClient([shard.endpoint], timeout_s=5, put_give_up_s=30) as client:
+        t = threading.Thread(target=lambda: result.setdefault("reply", client.put(group("late"))))
+        t.start()
+        time.sleep(0.5)
+        shard.start()
+        t.join(timeout=30)
+        assert result["reply"].accepted == 2
+
+
+def test_long_poll_takes_the_first_shard_with_data_and_cancels_the_rest(shard_factory):
+    shards = [shard_factory() for _ in range(3)]
+    eps = [s.endpoint for s in shards]
+    with BufferClient(eps, timeout_s=5) as consumer, BufferClient(eps, timeout_s=5) as producer:
+        assert consumer.ping(timeout_s=10) and producer.ping(timeout_s=10)
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("b", consumer.get(4, wait_ms=10_000)))
+        t.start()
+        time.sleep(0.3)
+        gid = gids_with_home(2, 3, 1)[0]
+        producer.put(group(gid))
+        t.join(timeout=30)
+        assert [x.group_id for x in got["b"].trajs] == [gid, gid]
+        # no GET is left parked on the other shards (CANCEL worked), nothing else is leased
+        stats = [r.stats for r in producer.stats()]
+        assert [s["parked_gets"] for s in stats] == [0, 0, 0]
+        assert [s["leased"] for s in stats] == [0, 0, 2]
+
+
+def test_batcher_collects_small_puts(shard_factory):
+    shard = shard_factory()
+    with BufferClient([shard.endpoint], timeout_s=5) as client:
+        with client.batcher(max_trajs=4, max_bytes=1 << 20, linger_s=60) as batcher:
+            for i in range(3):
+                assert batcher.add(group(f"g{i}", size=1)) is None
+            assert client.stats()[0].stats["held"] == 0  # nothing sent yet
+            assert batcher.add(group("g3", size=1)).accepted == 4
+            assert batcher.add(group("g4", size=1)) is None
+        assert client.stats()[0].stats["held"] == 5  # flushed on leaving the block
+        with client.batcher(max_trajs=100, max_bytes=1 << 20, linger_s=0.0) as batcher:
+            assert batcher.add(group("g5", size=1)).accepted == 1  # lingered long enough
+
+
+def test_large_puts_are_split_to_the_shard_limits(shard_factory):
+    shard = shard_factory(max_batch=4)
+    with BufferClient([shard.endpoint], timeout_s=5, max_batch=4, put_message_bytes=1 << 20) as client:
+        reply = client.put([t for i in range(10) for t in group(f"g{i}", size=1)])
+        assert reply.accepted == 10
+        with pytest.raises(ValueError, match="max_batch"):
+            client.put(group("big", size=5))
+
+
+def test_lease_expiry_redelivers_over_the_wire(shard_factory):
+    shard = shard_factory(lease_timeout_s=0.3)
+    with BufferClient([shard.endpoint], timeout_s=5) as client:
+        client.put(group("a"))
+        first = client.get(2)
+        time.sleep(0.5)  # the consumer "crashed": no ACK
+        second = client.get(2, wait_ms=2000)
+        assert [t.traj_id for t in second.trajs] == [t.traj_id for t in first.trajs]
+        assert client.stats()[0].stats["redelivered"] == 2
+        with pytest.raises(BufferError) as e:
+            client.ack(first)
+        assert e.value.code == "UNKNOWN_LEASE"
+        assert client.ack(second) == 2
+
+
+def test_full_shard_slows_the_producer_until_space_frees(shard_factory):
+    shard = shard_factory(capacity=2, retry_after_ms=50)
+    with (
+        BufferClient([shard.endpoint], timeout_s=5) as producer,
+        BufferClient([shard.endpoint], timeout_s=5) as consumer,
+    ):
+        producer.put(group("a"))
+        done = {}
+        t = threading.Thread(target=lambda: done.setdefault("r", producer.put(group("b"))))
+        t.start()
+        time.sleep(0.3)
+        assert "r" not in done  # waiting out backpressure, not failing, not growing the shard
+        assert producer.stats()[0].stats["refused_full"] >= 2
+        consumer.ack(consumer.get(2))
+        t.join(timeout=10)
+        assert done["r"].accepted == 2 and producer.backpressure_s > 0
