@@ -29,11 +29,26 @@ Reading (consumers):
 - SAMPLE (replay mode) draws across shards in proportion to their total priority (asked
   first with n=0), so the draw is the same as from one big buffer; importance weights are
   recomputed over all shards.
+Same host (`same_host="auto"`, the default; docs/architecture.md):
+- A shard on this host whose token file this process can read (see `buffer/link.py`) gets
+  PUT messages of at least `same_host_min_put_bytes` through shared memory: RESERVE space in
+  its active segment, write the arrays there (pwritev: the one copy, which is also the log
+  write), PUT the headers naming the region with its checksum. A refused or failed
+  reservation falls back to an ordinary PUT with frames.
+- GET and SAMPLE send the shard's token; the reply says where each trajectory's arrays lie
+  and the client maps the shard's segment files read-only: the arrays are views of the
+  shard's page cache, no copy. They stay valid while the lease is held (until ACK, NACK or
+  lease expiry; replay: `buffer.same_host_view_hold_s` after the SAMPLE): copy what you keep
+  longer. After that the shard may reuse the file.
+- Remote shards, `same_host="zmq"`, and shards that do not offer it use ZeroMQ frames; the
+  semantics (leases, dedupe, backpressure, staleness, sampling) are the same either way.
+
 - Not thread-safe: one client per thread.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -44,6 +59,7 @@ import xxhash
 import zmq
 
 from buffer.link import Backoff, Call, Lost, NotSent, ShardLink, wait_all
+from buffer.log_records import array_sizes, region_layout
 from sluice.config.buffer import BufferConfig
 from sluice.rpc import RpcError as BufferError
 from sluice.rpc import RpcTimeout as BufferTimeout
@@ -60,6 +76,8 @@ from sluice.wire.messages import (
     PriorityRequest,
     PutReply,
     PutRequest,
+    ReserveReply,
+    ReserveRequest,
     SampleReply,
     SampleRequest,
     StatsReply,
@@ -82,6 +100,8 @@ __all__ = [
 ]
 
 PLACEMENT_MEMORY = 65536
+
+log = logging.getLogger(__name__)
 
 
 class PutAborted(RuntimeError):
@@ -150,11 +170,18 @@ class _OutGroup:
     """A group on its way to a shard."""
 
     group_id: str
-    metas: list[TrajectoryMeta]
-    frames: list[Frame]
+    wire: list[tuple[TrajectoryMeta, list[Frame]]]  # each trajectory's header and array frames
     nbytes: int
     shard: int | None = None
     pinned: bool = False  # a PUT carrying it may have reached `shard`: never route it elsewhere
+
+    @property
+    def metas(self) -> list[TrajectoryMeta]:
+        return [m for m, _ in self.wire]
+
+    @property
+    def frames(self) -> list[Frame]:
+        return [f for _, frames in self.wire for f in frames]
 
 
 class BufferClient:
@@ -172,16 +199,21 @@ class BufferClient:
         first_connect_s: float = 2.0,
         backoff: Backoff | None = None,
         seed: int | None = None,
+        same_host: str = "auto",
+        same_host_min_put_bytes: int | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("BufferClient needs at least one shard endpoint")
+        if same_host not in ("auto", "zmq"):
+            raise ValueError(f"same_host={same_host!r} must be 'auto' or 'zmq'")
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         backoff = backoff or Backoff()
         self.links = [
-            ShardLink(self.ctx, k, ep, backoff=backoff, first_connect_s=first_connect_s)
+            ShardLink(self.ctx, k, ep, backoff=backoff, first_connect_s=first_connect_s, same_host=same_host)
             for k, ep in enumerate(endpoints)
         ]
+        self.same_host_min_put_bytes = same_host_min_put_bytes  # None: each shard's advice
         self.timeout_s = timeout_s
         self.put_give_up_s = put_give_up_s
         self.should_abort = should_abort
@@ -193,12 +225,15 @@ class BufferClient:
         self._next_read = 0
         self.backpressure_s = 0.0  # total time spent waiting on full shards
         self.rerouted_groups = 0  # new groups stored away from their home shard (it was down)
+        self.shared_put_bytes = 0  # payload bytes PUT through shared memory (same host)
+        self.shared_get_trajs = 0  # trajectories received as views of a shard's files (same host)
 
     @classmethod
     def from_config(cls, cfg: BufferConfig, **kwargs) -> BufferClient:
         """A client for the shards of `cfg`, with its limits."""
         kwargs.setdefault("max_batch", cfg.max_batch)
         kwargs.setdefault("max_message_bytes", cfg.max_message_bytes)
+        kwargs.setdefault("same_host", cfg.same_host_transport)
         return cls(cfg.all_endpoints(), **kwargs)
 
     @property
@@ -216,7 +251,7 @@ class BufferClient:
         total = PutReply(proto=PROTO_VERSION, id=0)
         give_up = time.monotonic() + self.put_give_up_s
         while todo:
-            sent = [(groups, self._send_put(groups)) for groups in self._plan_messages(todo)]
+            sent = self._send_puts(self._plan_messages(todo))
             wait_all([call for _, call in sent], self.links)
             todo, wait_s, last_error = [], 0.0, None
             for groups, call in sent:
@@ -254,9 +289,8 @@ class BufferClient:
             meta, frames = t.to_wire()
             g = groups.get(t.group_id)
             if g is None:
-                g = groups[t.group_id] = _OutGroup(t.group_id, [], [], 0)
-            g.metas.append(meta)
-            g.frames.extend(frames)
+                g = groups[t.group_id] = _OutGroup(t.group_id, [], 0)
+            g.wire.append((meta, frames))
             g.nbytes += t.nbytes
         for g in groups.values():
             if g.nbytes > self.max_message_bytes - (1 << 20):
@@ -264,7 +298,7 @@ class BufferClient:
                     f"group {g.group_id!r}: {g.nbytes} payload bytes cannot fit one message "
                     f"(buffer.max_message_bytes={self.max_message_bytes})"
                 )
-            if len(g.metas) > self.max_batch:
+            if len(g.wire) > self.max_batch:
                 raise ValueError(
                     f"group {g.group_id!r}: {len(g.metas)} trajectories > buffer.max_batch {self.max_batch}"
                 )
@@ -288,12 +322,12 @@ class BufferClient:
             n = nbytes = 0
             for g in groups:
                 if current and (
-                    n + len(g.metas) > self.max_batch or nbytes + g.nbytes > self.put_message_bytes
+                    n + len(g.wire) > self.max_batch or nbytes + g.nbytes > self.put_message_bytes
                 ):
                     messages.append(current)
                     current, n, nbytes = [], 0, 0
                 current.append(g)
-                n += len(g.metas)
+                n += len(g.wire)
                 nbytes += g.nbytes
             messages.append(current)
         return messages
@@ -323,6 +357,70 @@ class BufferClient:
         )
         call = Call(header, [f for g in groups for f in g.frames], self.timeout_s)
         link.send(call)
+        return call
+
+    def _send_puts(self, messages: list[list[_OutGroup]]) -> list[tuple[list[_OutGroup], Call]]:
+        """Send every message: through shared memory where the shard is on this host (RESERVE
+        for all of them at once, then write and PUT each), else with frames."""
+        sent, reserving = [], []
+        for groups in messages:
+            link = self.links[groups[0].shard]
+            link.pump_events()
+            if link.peer is None or not self._worth_sharing(link, groups):
+                sent.append((groups, self._send_put(groups)))
+                continue
+            size = region_layout([sum(array_sizes(m)) for g in groups for m in g.metas])[1]
+            call = Call(
+                ReserveRequest(proto=PROTO_VERSION, id=link.next_id(), nbytes=size, token=link.peer.token),
+                timeout_s=self.timeout_s,
+            )
+            call.peer = link.peer
+            link.send(call)
+            reserving.append((groups, call))
+        if reserving:
+            wait_all([call for _, call in reserving], self.links)
+            sent += [(groups, self._put_region(groups, call)) for groups, call in reserving]
+        return sent
+
+    def _worth_sharing(self, link: ShardLink, groups: list[_OutGroup]) -> bool:
+        least = self.same_host_min_put_bytes
+        if least is None:
+            least = link.peer.min_put_bytes
+        return sum(g.nbytes for g in groups) >= max(1, least)
+
+    def _put_region(self, groups: list[_OutGroup], reserve: Call) -> Call:
+        """After a RESERVE: write the arrays into the region and PUT the headers naming it. A
+        reservation that failed is returned as the outcome (FULL: wait; lost or not sent: the PUT
+        never left, retry), or the message goes as frames (the shard refused shared memory)."""
+        link = reserve.link
+        if isinstance(reserve.error, (NotSent, Lost)):
+            reserve.error = NotSent(f"{link.name}: RESERVE failed ({reserve.error}); the PUT was not sent")
+            return reserve
+        if isinstance(reserve.error, BufferError) and reserve.error.code == "FULL":
+            return reserve
+        if isinstance(reserve.error, BufferError):
+            if reserve.error.code == "NOT_SAME_HOST":
+                link.peer_refused()
+            return self._send_put(groups)
+        region: ReserveReply = reserve.reply
+        try:
+            checksum = reserve.peer.write_region(
+                region.segment, region.offset, [w for g in groups for w in g.wire]
+            )
+        except OSError as e:  # (the reservation expires on the shard)
+            log.warning("%s: cannot write its shared segment (%s): using ZeroMQ", link.name, e)
+            link.peer_refused()
+            return self._send_put(groups)
+        header = PutRequest(
+            proto=PROTO_VERSION,
+            id=link.next_id(),
+            trajs=[m for g in groups for m in g.metas],
+            region=region.region,
+            region_checksum=checksum,
+        )
+        call = Call(header, (), self.timeout_s)
+        link.send(call)
+        self.shared_put_bytes += sum(g.nbytes for g in groups)
         return call
 
     def _retry_delay(self, groups: list[_OutGroup]) -> float:
@@ -428,6 +526,7 @@ class BufferClient:
     def _get_call(
         self, link: ShardLink, max_trajs: int, min_version: int, policy_id: str, wait_ms: int
     ) -> Call:
+        link.pump_events()
         header = GetRequest(
             proto=PROTO_VERSION,
             id=link.next_id(),
@@ -435,8 +534,9 @@ class BufferClient:
             min_version=min_version,
             policy_id=policy_id,
             wait_ms=wait_ms,
+            token=link.peer.token if link.peer is not None else "",
         )
-        call = Call(header, timeout_s=self.timeout_s + wait_ms / 1000.0)
+        call = Call(header, timeout_s=self.timeout_s + wait_ms / 1000.0, peer=link.peer)
         link.send(call)
         return call
 
@@ -448,8 +548,8 @@ class BufferClient:
         reply: GetReply = call.reply
         batch.dropped_stale += reply.dropped_stale
         if reply.lease_id:
-            batch.trajs.extend(from_wire_batch(reply.trajs, call.frames))
             batch.leases.append((call.link.index, reply.lease_id))
+            batch.trajs.extend(self._trajectories(call))
 
     def _read_order(self) -> list[ShardLink]:
         """Live shards, starting one further each call (fairness)."""
@@ -570,7 +670,7 @@ class BufferClient:
                 continue
             reply: SampleReply = call.reply
             out.dropped_stale += reply.dropped_stale
-            out.trajs.extend(from_wire_batch(reply.trajs, call.frames))
+            out.trajs.extend(self._trajectories(call))
             for item in reply.items:
                 out.refs.extend([SampleRef(k, item.key)] * item.size)
                 probs.append(share[k] * item.prob)
@@ -589,6 +689,7 @@ class BufferClient:
     def _sample_call(
         self, link: ShardLink, n: int, policy_id: str, min_version: int, beta: float, rng
     ) -> Call:
+        link.pump_events()
         header = SampleRequest(
             proto=PROTO_VERSION,
             id=link.next_id(),
@@ -597,10 +698,23 @@ class BufferClient:
             policy_id=policy_id,
             beta=beta,
             seed=int(rng.integers(1 << 62)),
+            token=link.peer.token if link.peer is not None and n > 0 else "",
         )
-        call = Call(header, timeout_s=self.timeout_s)
+        call = Call(header, timeout_s=self.timeout_s, peer=link.peer if n > 0 else None)
         link.send(call)
         return call
+
+    def _trajectories(self, call: Call) -> list[Trajectory]:
+        """The trajectories of a GET or SAMPLE reply: views of the shard's files where it sent
+        references, else of the payload frames."""
+        reply = call.reply
+        if call.header.token and reply.refs:
+            trajs = call.peer.trajectories(reply.trajs, reply.refs, call.frames)
+            self.shared_get_trajs += sum(r.segment >= 0 for r in reply.refs)
+            return trajs
+        if call.header.token and reply.trajs:
+            call.link.peer_refused()  # the shard did not take the token: it restarted, or moved
+        return from_wire_batch(reply.trajs, call.frames)
 
     def update_priorities(self, refs: Sequence[SampleRef], priorities: Sequence[float]) -> PriorityResult:
         """New priorities for sampled groups. `refs` and `priorities` are aligned (e.g. one per

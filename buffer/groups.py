@@ -1,7 +1,9 @@
 """What a shard stores: whole groups of trajectories, each with a shard-local sequence number.
 
-The payload frames are the ones received from ZeroMQ (or read back from the log): a stored
-trajectory never copies its arrays, and a GET reply sends the same frames back out.
+The payload frames are the ones received from ZeroMQ (or read back from the log), or views of
+the shard's own segment files where a same-host producer wrote them: a stored trajectory never
+copies its arrays, and a GET reply sends the same frames back out. Where the shard's log holds a
+trajectory's bytes, `loc` says where (what same-host consumers are given instead of frames).
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ class PutTooLarge(ValueError):
     """The PUT can never fit in this shard, whatever is consumed first."""
 
 
+Loc = tuple[int, int]  # (segment number, file offset of the first array); arrays back to back
+
+
 @dataclass(slots=True)
 class StoredTrajectory:
     meta: TrajectoryMeta
     frames: list[Frame]
     nbytes: int
+    loc: Loc | None = None  # where the log holds its arrays (None: only in `frames`)
+    mapped: bool = False  # `frames` are views of the log's files (re-made when the log moves them)
 
 
 @dataclass(slots=True)
@@ -81,22 +88,25 @@ def assemble_groups(
     frames: Sequence[Sequence[Frame]],
     dedupe: DedupeWindow,
     first_seq: int,
+    locs: Sequence[Loc] | None = None,
 ) -> PreparedPut:
     """Drop already-seen trajectories, check that every group's new members are all present,
-    and number the groups from `first_seq` in order of first appearance. Changes nothing."""
+    and number the groups from `first_seq` in order of first appearance. Changes nothing.
+    `locs` (one per trajectory): the frames are views of the log's files at these places."""
     by_group: dict[tuple[str, str], list[StoredTrajectory]] = {}
     batch_hashes: set[int] = set()
     duplicates = 0
-    for meta, fr in zip(metas, frames):
+    for i, (meta, fr) in enumerate(zip(metas, frames)):
         h = id_hash(meta.traj_id)
         if h in batch_hashes or dedupe.has_hash(h):
             duplicates += 1
             continue
         batch_hashes.add(h)
         nbytes = sum(_nbytes(f) for f in fr)
-        by_group.setdefault((meta.policy_id, meta.group_id), []).append(
-            StoredTrajectory(meta=meta, frames=list(fr), nbytes=nbytes)
-        )
+        stored = StoredTrajectory(meta=meta, frames=list(fr), nbytes=nbytes)
+        if locs is not None:
+            stored.loc, stored.mapped = locs[i], True
+        by_group.setdefault((meta.policy_id, meta.group_id), []).append(stored)
     groups = []
     for (policy_id, group_id), trajs in by_group.items():
         want = trajs[0].meta.group_size

@@ -13,11 +13,18 @@ Socket rules:
   unknown id (to requests already failed) are discarded.
 - After a failure the shard is skipped for a backoff (exponential with jitter, capped) except
   where the caller must reach this shard in particular (a sent PUT, an ACK).
+- Same host (`same_host="auto"`): before its first request on a connection the link sends
+  HELLO, without waiting for it; if the reply shows the shard on this host and its token
+  file is readable here, `peer` (a SameHostPeer) is set and later requests may use shared
+  memory. A lost connection forgets the peer (the shard may have restarted: new token, maybe
+  a new directory); a shard that refuses the token is asked again, at most
+  `MAX_TOKEN_REFUSALS` times per connection, then the link stays on ZeroMQ.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -28,13 +35,17 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from buffer.same_host import SameHostPeer, host_id
 from buffer.sockets import client_socket
 from sluice.rpc import RpcError, RpcTimeout
 from sluice.wire import codec
-from sluice.wire.messages import ErrorReply
+from sluice.wire.messages import PROTO_VERSION, ErrorReply, HelloReply, HelloRequest
+
+log = logging.getLogger(__name__)
 
 MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 RECONNECT_GRACE_S = 0.25
+MAX_TOKEN_REFUSALS = 3
 
 
 class NotSent(RpcTimeout):
@@ -69,6 +80,7 @@ class Call:
     frames: list = field(default_factory=list)
     error: BaseException | None = None
     done: bool = False
+    peer: SameHostPeer | None = None  # the same-host peer whose token the request carries
 
     def finish(
         self, reply: Any = None, frames: list | None = None, error: BaseException | None = None
@@ -86,6 +98,7 @@ class ShardLink:
         backoff: Backoff,
         first_connect_s: float = 2.0,
         hwm: int = 10000,
+        same_host: str = "auto",
     ) -> None:
         self.ctx = ctx
         self.index = index
@@ -99,6 +112,11 @@ class ShardLink:
         self.retry_at = 0.0
         self.ever_connected = False
         self._ids = itertools.count(1)
+        self.same_host = same_host
+        self.peer: SameHostPeer | None = None
+        self._hello: Call | None = None
+        self._hello_known = same_host != "auto"  # HELLO answered on this connection (or not wanted)
+        self._refusals = 0
         self._open()
 
     def _open(self) -> None:
@@ -111,6 +129,7 @@ class ShardLink:
 
     def close(self) -> None:
         self._fail_pending(Lost(f"{self.name}: client closed"))
+        self.forget_peer()
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
@@ -150,11 +169,50 @@ class ShardLink:
                 self.saw_disconnect = True
                 self.mark_failed(time.monotonic())
                 self._fail_pending(Lost(f"{self.name}: connection lost with the request in flight"))
+                self.forget_peer()
 
     def _fail_pending(self, error: BaseException) -> None:
         pending, self.pending = self.pending, {}
         for call in pending.values():
             call.finish(error=error)
+            if call is self._hello:
+                self._hello = None  # asked again with the next request
+
+    # -- same host -----------------------------------------------------------------------------
+
+    def forget_peer(self) -> None:
+        """The shard may have restarted: ask again (HELLO) before using shared memory."""
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+        self._hello_known = self.same_host != "auto"
+        self._refusals = 0
+
+    def peer_refused(self) -> None:
+        """The shard did not accept the peer's token: ask again, a few times per connection."""
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+        self._refusals += 1
+        self._hello_known = self._refusals >= MAX_TOKEN_REFUSALS or self.same_host != "auto"
+
+    def _send_hello(self, timeout_s: float) -> None:
+        call = Call(
+            HelloRequest(proto=PROTO_VERSION, id=self.next_id(), host_id=host_id()), timeout_s=timeout_s
+        )
+        call.link = self
+        if self._send_now(call, 0):
+            call.deadline = time.monotonic() + call.timeout_s
+            self.pending[call.header.id] = call
+            self._hello = call
+
+    def _on_hello(self, call: Call) -> None:
+        self._hello = None
+        self._hello_known = True
+        if isinstance(call.reply, HelloReply):
+            self.peer = SameHostPeer.open(call.reply)
+            if self.peer is not None:
+                log.debug("%s: same host, sharing %s", self.name, self.peer.dir)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -178,6 +236,8 @@ class ShardLink:
                 self.pump_events()
         # Try even if no handshake was seen (unless a disconnect was: a send can still slip into
         # the dying pipe and vanish): with IMMEDIATE a send that is taken proves a connection.
+        if self.connected and not self._hello_known and self._hello is None:
+            self._send_hello(call.timeout_s)  # answered before `call` (one connection keeps order)
         if (self.connected or not self.saw_disconnect) and self._send_now(call, 200 if self.connected else 0):
             self.connected = self.ever_connected = True
             call.deadline = time.monotonic() + call.timeout_s
@@ -215,6 +275,8 @@ class ShardLink:
                 call.finish(error=RpcError(self.name, reply))
             else:
                 call.finish(reply, payload)
+            if call is self._hello:
+                self._on_hello(call)  # (an error reply, e.g. from an older shard: ZeroMQ only)
 
     def expire(self, now: float) -> None:
         """Fail requests past their deadline; the shard is presumed stuck: reset the socket."""
@@ -223,6 +285,8 @@ class ShardLink:
             return
         for call in late:
             del self.pending[call.header.id]
+            if call is self._hello:
+                self._hello = None
             call.finish(
                 error=Lost(
                     f"{self.name}: no reply to {type(call.header).__name__} within {call.timeout_s:.1f}s"

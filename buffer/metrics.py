@@ -29,6 +29,15 @@ GAUGES = {
     "compaction_errors": "Log compactions that failed (total)",
     "log_write_errors": "Log writes that failed (total)",
     "log_recycled": "Log segments written into a reused (retired) segment file (total)",
+    "same_host": "1 if this shard shares its segment files with clients on its host",
+    "region_puts": "PUTs whose payload a same-host producer wrote into the segments (total)",
+    "region_copies": "Same-host PUTs copied because their segment had been closed meanwhile (total)",
+    "refs_served": "Trajectories delivered by reference to same-host consumers (total)",
+    "reservations": "Segment space reserved by same-host producers, not yet PUT",
+    "reserved_bytes": "Bytes of those reservations",
+    "reservations_expired": "Reservations abandoned after reserve_timeout_s (total)",
+    "retiring_segments": "Segments out of the log that readers may still map (not reused yet)",
+    "pinned_segments": "Segments that leases or recent samples may still read",
 }
 
 

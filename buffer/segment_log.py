@@ -1,13 +1,14 @@
 """The durable log of one shard: append-only segment files, fsync policy, recovery, compaction.
 
 Files in the shard's log directory: `<n>.seg` (n increasing, 12 digits). Records are appended
-to the newest segment; past `segment_bytes` it is sealed (a SEAL record), closed, and the next
-one started. Segments that compaction retires are kept (`<n>.free`, enough to hold what is written between
+(written at explicit offsets: a file is never truncated, see segment_maps.py) to the newest
+segment; past `segment_bytes` it is sealed (a SEAL record), closed, and the next one started.
+Segments that compaction retires are kept (`<n>.free`, enough to hold what is written between
 two compactions: `compact_min_bytes / segment_bytes + 2` files) and reused for new segments,
-overwritten from the start: on this class of machine writing
-pages already in the page cache costs ~0.2 CPU s/GB, new pages ~2.9 (measured), so recycling
-makes the log several times cheaper in steady state. A record's checksum is seeded with its
-segment's number, so what a recycled file held before is never mistaken for records.
+overwritten from the start: on this class of machine writing pages already in the page cache
+costs ~0.2 CPU s/GB, new pages ~2.9 (measured), so recycling makes the log several times
+cheaper in steady state. A record's checksum is seeded with its segment's number, so what a
+recycled file held before is never mistaken for records.
 
 What is logged, and why that is enough to rebuild the shard (see `recover`):
 - PUT: the stored groups with their frames (and, replay, the seqs the PUT evicted). Written
@@ -32,12 +33,33 @@ retired. Recovery starts from the newest snapshot segment; a crash at any step l
 the old segments (still complete) or the snapshot. Recovery reads each segment up to its SEAL;
 the last segment may end without one (the shard died): it ends at its first bad record (a torn
 write), and recovery seals it there.
+
+Same-host data plane (docs/architecture.md): the segment files are also the shared memory.
+- Readers: every stored trajectory knows where its arrays lie (`loc`); same-host consumers
+  map the files read-only and read them there. Compaction moves live groups into the snapshot
+  segment and points them (and the shard's own views) there. A retired segment is reused or
+  deleted only once no lease or recent SAMPLE may still be reading it (`view_pins.py`).
+- Writers: `reserve` appends a REGION record (log_records.py) and hands a same-host producer
+  that space of the active segment; the producer writes its arrays there with pwritev and
+  sends the PUT naming the region with the xxh3 of its bytes; the shard checks that checksum
+  and logs a PUT record pointing at the region (`append_put_region`): the producer's write was
+  the log write. A region whose segment is no longer the active one when its PUT arrives is
+  copied into the active segment instead (so a PUT record never points outside its own
+  segment and compaction never retires bytes a new group needs). A reservation not used
+  within `reserve_timeout_s` is dropped and its segment *tainted*: deleted when retired, never
+  reused, so that a late write by a stalled producer lands in a deleted file. Recovery taints
+  segments with regions no PUT record names, and a last segment that ended torn.
+- Without durability (`ephemeral`), the same segments live in a private directory under
+  `buffer.shm_dir` (memory): nothing is recovered, nothing fsynced, only what same-host
+  producers write (and compaction's copies of it) goes there; ZeroMQ PUTs stay in memory.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+import shutil
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -46,10 +68,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from buffer.dedupe import id_hash
-from buffer.groups import Group, PreparedPut, StoredTrajectory
+from buffer.groups import Group, Loc, PreparedPut, StoredTrajectory
 from buffer.log_records import (
+    PREFIX,
     AckRecord,
     CorruptRecord,
     DropRecord,
@@ -57,13 +81,18 @@ from buffer.log_records import (
     PriorityRecord,
     PutRecord,
     Record,
+    RegionRecord,
     SealRecord,
     SnapshotRecord,
+    array_sizes,
     encode_record,
+    encode_region,
     read_record,
     split_group_frames,
     write_all,
 )
+from buffer.segment_maps import SegmentMaps, segment_name
+from buffer.view_pins import ViewPins
 from sluice.config.buffer import BufferConfig
 
 log = logging.getLogger(__name__)
@@ -77,6 +106,22 @@ class LogWriteError(OSError):
 
 class LogCorrupt(RuntimeError):
     """A record in the middle of the log is damaged: refusing to guess what was acknowledged."""
+
+
+class NoSuchRegion(KeyError):
+    """A PUT names a region this connection did not reserve (or that expired or was used)."""
+
+
+@dataclass
+class Reservation:
+    """Space of a segment handed to one same-host producer for one PUT."""
+
+    region: int  # random id, named by the PUT
+    owner: bytes  # the ZeroMQ identity of the connection that reserved it
+    segment: int
+    offset: int  # file offset of the region's first byte
+    nbytes: int
+    deadline: float  # monotonic time after which it is abandoned
 
 
 @dataclass
@@ -102,10 +147,30 @@ class Snapshot:
 
 
 class ExperienceLog(ABC):
-    """What the shard server needs from its log; `NoLog` when durability is off."""
+    """What the shard server needs from its log; `NoLog` when durability is off and there is
+    no same-host sharing."""
+
+    shared_dir: Path | None = None  # segment files same-host clients may map (None: no sharing)
+    pins: ViewPins
 
     @abstractmethod
     def recover(self) -> RecoveredState: ...
+
+    def reserve(self, nbytes: int, owner: bytes, now: float) -> Reservation:
+        raise LogWriteError("this shard keeps no segment files: no same-host PUT")
+
+    def claim(self, region: int, owner: bytes) -> Reservation:
+        raise NoSuchRegion(region)
+
+    def region_bytes(self, res: Reservation) -> memoryview:
+        raise LogWriteError("this shard keeps no segment files")
+
+    def append_put_region(self, prepared: PreparedPut, res: Reservation, checksum: int) -> None:
+        raise LogWriteError("this shard keeps no segment files")
+
+    @property
+    def reserved_bytes(self) -> int:
+        return 0
 
     @abstractmethod
     def append_put(self, prepared: PreparedPut) -> None: ...
@@ -137,6 +202,9 @@ class ExperienceLog(ABC):
 class NoLog(ExperienceLog):
     """Durability off (`buffer.durable: false`): nothing survives a restart."""
 
+    def __init__(self) -> None:
+        self.pins = ViewPins()
+
     def recover(self) -> RecoveredState:
         return RecoveredState()
 
@@ -165,8 +233,7 @@ class NoLog(ExperienceLog):
         return {}
 
 
-def _segment_name(n: int) -> str:
-    return f"{n:012d}.seg"
+_segment_name = segment_name
 
 
 def _fsync_dir(path: Path) -> None:
@@ -187,10 +254,19 @@ def _record_bytes(record: Record, seed: int) -> bytes:
 
 
 class SegmentLog(ExperienceLog):
-    def __init__(self, directory: Path, cfg: BufferConfig) -> None:
+    def __init__(self, directory: Path, cfg: BufferConfig, *, ephemeral: bool = False) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
+        self.ephemeral = ephemeral  # memory-backed segments for same-host sharing, no recovery
+        self.fsync = "none" if ephemeral else cfg.fsync
+        self.shared_dir = self.dir.resolve() if cfg.same_host_transport == "auto" else None
+        self.maps = SegmentMaps(self.dir, keep=16)
+        self.pins = ViewPins()
+        self.reservations: dict[int, Reservation] = {}
+        self._reserved_bytes = 0
+        self.retiring: list[int] = []  # out of the log, waiting until no reader may need them
+        self.tainted: set[int] = set()  # segments a producer may still write: delete, never reuse
         self.segments: list[int] = []  # numbers of closed segments still in the log
         self.segment_bytes: dict[int, int] = {}  # their valid length (a recycled file may be longer)
         self.pool: list[Path] = []  # retired segment files waiting to be reused
@@ -199,10 +275,10 @@ class SegmentLog(ExperienceLog):
         self.fd = -1
         self.active_bytes = 0
         self.dirty = False
-        self.broken: str | None = None
         self.last_sync = time.monotonic()
         self._executor: ThreadPoolExecutor | None = None
-        self._compaction: tuple[Future, int] | None = None  # (future, last segment it replaces)
+        # (future, last segment it replaces, the groups it copies)
+        self._compaction: tuple[Future, int, list[Group]] | None = None
         self._compact_retry_at = 0.0
         self.counters = {
             "log_records": 0,
@@ -212,12 +288,24 @@ class SegmentLog(ExperienceLog):
             "compaction_errors": 0,
             "log_write_errors": 0,
             "log_recycled": 0,
+            "region_puts": 0,
+            "region_copies": 0,
+            "reservations_expired": 0,
         }
 
     # -- recovery ------------------------------------------------------------------------------
 
     def recover(self) -> RecoveredState:
-        """Rebuild the state from the segments on disk, then open a fresh segment for writes."""
+        """Rebuild the state from the segments on disk, then open a fresh segment for writes.
+        Ephemeral: forget whatever is there and start empty."""
+        if self.ephemeral:
+            for path in self.dir.iterdir():
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+            self._open_segment(1)
+            return RecoveredState()
         for tmp in self.dir.glob("*.tmp"):
             tmp.unlink()
         self.pool = sorted(self.dir.glob("*.free"))
@@ -263,12 +351,21 @@ class SegmentLog(ExperienceLog):
         path = self.dir / _segment_name(n)
         size = path.stat().st_size
         offset = 0
+        sealed = False
+        unclaimed: set[int] = set()  # regions no PUT record names
         with path.open("rb") as fh:
             while True:
                 try:
                     item = read_record(fh, size - offset, seed=n)
-                    if item is not None and not isinstance(item[0], SealRecord):
-                        _apply(item[0], item[1], live, state)
+                    if item is None:
+                        break
+                    if isinstance(item.record, RegionRecord):
+                        unclaimed.add(offset + item.payload_at)
+                    elif not isinstance(item.record, SealRecord):
+                        where = _Where(n, offset + item.payload_at, fh.fileno(), offset)
+                        _apply(item.record, item.payload, live, state, where)
+                        if isinstance(item.record, PutRecord) and item.record.region:
+                            unclaimed.discard(item.record.region[0])
                 except CorruptRecord as e:
                     if not last:
                         raise LogCorrupt(f"{path} at byte {offset}: {e}") from None
@@ -276,21 +373,23 @@ class SegmentLog(ExperienceLog):
                         "%s: the log ends at byte %d (%s): a torn or never-written tail", path, offset, e
                     )
                     state.truncated_bytes += size - offset
+                    self.tainted.add(n)  # perhaps a region a producer was still writing
                     break
-                if item is None:
+                offset += item.size
+                if isinstance(item.record, SealRecord):
+                    sealed = True
                     break
-                offset += item[2]
-                if isinstance(item[0], SealRecord):
-                    return offset
                 state.records += 1
-        return offset + self._seal_at(path, n, offset)
+        if unclaimed:
+            self.tainted.add(n)  # a producer may still write there: never reuse the file
+        return offset if sealed else offset + self._seal_at(path, n, offset)
 
     def _seal_at(self, path: Path, n: int, offset: int) -> int:
         seal = _record_bytes(SealRecord(), seed=n)
         fd = os.open(path, os.O_WRONLY)
         try:
             os.pwrite(fd, seal, offset)
-            if self.cfg.fsync != "none":
+            if self.fsync != "none":
                 os.fdatasync(fd)
         finally:
             os.close(fd)
@@ -299,48 +398,131 @@ class SegmentLog(ExperienceLog):
     # -- appends -------------------------------------------------------------------------------
 
     def append_put(self, prepared: PreparedPut) -> None:
+        """A PUT that came with its payload frames (ZeroMQ): logged with them (ephemeral: kept
+        in memory only)."""
+        if not self.ephemeral:
+            self._write_inline(prepared)
+
+    def _write_inline(self, prepared: PreparedPut) -> None:
+        """Log the groups with their bytes in the record and point them there."""
         record = PutRecord(
             groups=[LoggedGroup(seq=g.seq, trajs=g.metas) for g in prepared.groups],
             evicted=list(prepared.evicted),
         )
-        self._append(record, [f for g in prepared.groups for f in g.frames])
+        segment, at = self._append(record, [f for g in prepared.groups for f in g.frames])
+        for group in prepared.groups:
+            for t in group.trajs:
+                self._move(t, (segment, at))
+                at += t.nbytes
+
+    def reserve(self, nbytes: int, owner: bytes, now: float) -> Reservation:
+        """Space for a same-host producer's PUT in the active segment (a REGION record)."""
+        if self.active_bytes > 0 and self.active_bytes + nbytes + 256 > self.cfg.segment_bytes:
+            self._roll()  # start the region in a fresh segment rather than overfill this one
+        head, data_at = encode_region(nbytes, self.active_bytes, seed=self.active)
+        self._write(head, data_at + nbytes - self.active_bytes)
+        res = Reservation(
+            region=secrets.randbits(62) + 1,
+            owner=owner,
+            segment=self.active,
+            offset=data_at,
+            nbytes=nbytes,
+            deadline=now + self.cfg.reserve_timeout_s,
+        )
+        self.reservations[res.region] = res
+        self._reserved_bytes += nbytes
+        return res
+
+    def claim(self, region: int, owner: bytes) -> Reservation:
+        """The reservation a PUT names, now used up (NoSuchRegion if this connection holds none
+        by that id). Once its PUT arrived the producer has stopped writing it."""
+        res = self.reservations.get(region)
+        if res is None or res.owner != owner:
+            raise NoSuchRegion(region)
+        del self.reservations[region]
+        self._reserved_bytes -= res.nbytes
+        return res
+
+    def region_bytes(self, res: Reservation) -> memoryview:
+        """What the producer wrote (SegmentGone if the file does not even reach its end)."""
+        return self.maps.view(res.segment, res.offset, res.nbytes)
+
+    def append_put_region(self, prepared: PreparedPut, res: Reservation, checksum: int) -> None:
+        """Log a PUT whose payload a same-host producer wrote into `res` (checked against
+        `checksum` by the caller); its trajectories' frames are views of the region."""
+        self.counters["region_puts"] += 1
+        if res.segment != self.active:
+            self.counters["region_copies"] += 1
+            self._write_inline(prepared)
+            return
+        if self.ephemeral:
+            return
+        record = PutRecord(
+            groups=[LoggedGroup(seq=g.seq, trajs=g.metas) for g in prepared.groups],
+            evicted=list(prepared.evicted),
+            region=[res.offset, res.nbytes, checksum],
+            traj_at=[t.loc[1] for g in prepared.groups for t in g.trajs],
+        )
+        self._append(record)
+
+    def views(self, t: StoredTrajectory) -> list[memoryview]:
+        """Views of a trajectory's arrays where the log holds them (`t.loc`)."""
+        segment, offset = t.loc
+        data = self.maps.view(segment, offset, t.nbytes)
+        out, at = [], 0
+        for n in array_sizes(t.meta):
+            out.append(data[at : at + n])
+            at += n
+        return out
+
+    def _move(self, t: StoredTrajectory, loc: Loc) -> None:
+        """The log now holds `t`'s arrays at `loc` (views of the old place are remade)."""
+        t.loc = loc
+        if t.mapped:
+            t.frames = self.views(t)
 
     def append_ack(self, lease_id: str, seqs: list[int]) -> None:
-        self._append(AckRecord(lease_id=lease_id, seqs=seqs))
+        if not self.ephemeral:
+            self._append(AckRecord(lease_id=lease_id, seqs=seqs))
 
     def append_drop(self, seqs: list[int]) -> None:
-        if seqs:
+        if seqs and not self.ephemeral:
             self._append(DropRecord(seqs=seqs))
 
     def append_priorities(self, seqs: Sequence[int], priorities: Sequence[float]) -> None:
-        if seqs:
+        if seqs and not self.ephemeral:
             self._append(PriorityRecord(seqs=list(seqs), priorities=[float(p) for p in priorities]))
 
-    def _append(self, record: Record, payload: Sequence = (), roll: bool = True) -> None:
-        if self.broken is not None:
-            raise LogWriteError(f"log {self.dir} is unusable: {self.broken}")
+    def _append(self, record: Record, payload: Sequence = (), roll: bool = True) -> Loc:
+        """Write a record at the end of the active segment. Returns (segment, file offset of its
+        payload)."""
         buffers, length = encode_record(record, payload, seed=self.active)
-        try:
-            write_all(self.fd, buffers)
-        except OSError as e:
-            self.counters["log_write_errors"] += 1
-            try:
-                os.ftruncate(self.fd, self.active_bytes)
-                os.lseek(self.fd, self.active_bytes, os.SEEK_SET)
-            except OSError as e2:
-                self.broken = f"write failed ({e}) and the partial record could not be cut ({e2})"
-            raise LogWriteError(f"log {self.dir}: {e}") from e
-        self.active_bytes += length
+        segment, payload_at = self.active, self.active_bytes + PREFIX.size + len(buffers[1])
+        self._write(buffers, length)
         self.counters["log_records"] += 1
-        self.counters["log_written_bytes"] += length
-        self.dirty = True
         if roll and self.active_bytes >= self.cfg.segment_bytes:
             self._roll()
+        return segment, payload_at
+
+    def _write(self, buffers, length: int) -> None:
+        """Write at the end of the active segment and count `length` bytes as taken. A failed
+        write leaves a partial record past the end that the next write overwrites (and
+        recovery would read as a torn tail): no truncation, mapped files stay whole."""
+        if isinstance(buffers, bytes):
+            buffers = [buffers]
+        try:
+            write_all(self.fd, buffers, self.active_bytes)
+        except OSError as e:
+            self.counters["log_write_errors"] += 1
+            raise LogWriteError(f"log {self.dir}: {e}") from e
+        self.active_bytes += length
+        self.counters["log_written_bytes"] += length
+        self.dirty = True
 
     # -- durability ----------------------------------------------------------------------------
 
     def commit(self) -> None:
-        if self.cfg.fsync == "always" and self.dirty:
+        if self.fsync == "always" and self.dirty:
             self._sync()
 
     def _sync(self) -> None:
@@ -353,11 +535,12 @@ class SegmentLog(ExperienceLog):
         """`snapshot` is a callable returning a Snapshot of the shard's state (called only when
         a compaction starts)."""
         if (
-            self.cfg.fsync == "interval"
+            self.fsync == "interval"
             and self.dirty
             and (now - self.last_sync) * 1000 >= self.cfg.fsync_interval_ms
         ):
             self._sync()
+        self._expire_reservations(now)
         if self._compaction is not None:
             if self._compaction[0].done():
                 self._finish_compaction()
@@ -365,6 +548,27 @@ class SegmentLog(ExperienceLog):
             self.cfg.compact_min_bytes, self.cfg.compact_ratio * live_bytes
         ):
             self._start_compaction(snapshot())
+        if self.retiring:
+            self._retire_ready(now)
+
+    def _expire_reservations(self, now: float) -> None:
+        for res in [r for r in self.reservations.values() if r.deadline <= now]:
+            del self.reservations[res.region]
+            self._reserved_bytes -= res.nbytes
+            self.tainted.add(res.segment)  # the producer may still write there, some day
+            self.counters["reservations_expired"] += 1
+            log.warning(
+                "%s: reservation %d (%d bytes in segment %d) was not used within %.0fs: abandoned",
+                self.dir,
+                res.region,
+                res.nbytes,
+                res.segment,
+                self.cfg.reserve_timeout_s,
+            )
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved_bytes
 
     # -- segments ------------------------------------------------------------------------------
 
@@ -379,29 +583,48 @@ class SegmentLog(ExperienceLog):
             self.counters["log_recycled"] += 1
 
     def _retire(self, n: int) -> None:
-        """Segment `n` left the log: keep its file for reuse, or delete it."""
+        """Segment `n` left the log: keep its file for reuse, or delete it (always, if tainted)."""
         path = self.dir / _segment_name(n)
-        if len(self.pool) < self.pool_max:
+        self.maps.forget(n)
+        if n in self.tainted:
+            self.tainted.discard(n)
+            path.unlink(missing_ok=True)
+        elif len(self.pool) < self.pool_max:
             free = self.dir / f"{n:012d}.free"
             os.rename(path, free)
             self.pool.append(free)
         else:
             path.unlink(missing_ok=True)
 
+    def _retire_ready(self, now: float) -> None:
+        """Retire the segments no reader or producer may still use."""
+        busy = {r.segment for r in self.reservations.values()}
+        waiting = []
+        for n in self.retiring:
+            if n in busy or self.pins.pinned(n, now):
+                waiting.append(n)
+            else:
+                self._retire(n)
+        self.retiring = waiting
+
     def _open_segment(self, n: int) -> None:
         path = self.dir / _segment_name(n)
         self._take_file(path)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)  # no O_TRUNC: keep cached pages
+        # no O_TRUNC (keep cached pages); 0600: only the shard's user may read or write it
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        if os.fstat(self.fd).st_size < self.cfg.segment_bytes:
+            # sparse, at its full size from the start: readers map it once, not at every write
+            os.ftruncate(self.fd, self.cfg.segment_bytes)
         self.active = n
         self.active_bytes = 0
-        if self.cfg.fsync != "none":
+        if self.fsync != "none":
             _fsync_dir(self.dir)
 
     def _close_active(self) -> None:
         if self.fd < 0:
             return
         self._append(SealRecord(), roll=False)
-        if self.cfg.fsync != "none":
+        if self.fsync != "none":
             self._sync()
         os.close(self.fd)
         self.fd = -1
@@ -419,6 +642,8 @@ class SegmentLog(ExperienceLog):
     # -- compaction ----------------------------------------------------------------------------
 
     def _start_compaction(self, snap: Snapshot) -> None:
+        if self.ephemeral:  # only what lives in the segments moves (ZeroMQ PUTs stay in memory)
+            snap.groups = [g for g in snap.groups if all(t.loc is not None for t in g.trajs)]
         replaces = self.active
         self._roll(skip=1)  # writes go on in replaces + 2; the snapshot becomes replaces + 1
         tmp = self.dir / (_segment_name(replaces + 1) + ".tmp")
@@ -426,11 +651,14 @@ class SegmentLog(ExperienceLog):
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compaction")
         future = self._executor.submit(self._write_snapshot, replaces + 1, tmp, snap)
-        self._compaction = (future, replaces)
+        self._compaction = (future, replaces, snap.groups)
 
-    def _write_snapshot(self, n: int, tmp: Path, snap: Snapshot) -> int:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o644)
+    def _write_snapshot(self, n: int, tmp: Path, snap: Snapshot) -> tuple[int, list[list[Loc]]]:
+        """Write the snapshot segment `n`. Returns its length and where each group's
+        trajectories now lie in it (in `snap.groups` order)."""
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)
         written = 0
+        locs: list[list[Loc]] = []
         try:
             record = SnapshotRecord(next_seq=snap.next_seq, settled=snap.settled)
             written += write_all(fd, encode_record(record, [snap.seen.tobytes()], seed=n)[0])
@@ -440,32 +668,42 @@ class SegmentLog(ExperienceLog):
                 batch.append(group)
                 batch_bytes += group.nbytes
                 if batch_bytes >= SNAPSHOT_RECORD_BYTES:
-                    written += self._write_groups(fd, batch, n)
+                    written += self._write_groups(fd, batch, n, written, locs)
                     batch, batch_bytes = [], 0
             if batch:
-                written += self._write_groups(fd, batch, n)
+                written += self._write_groups(fd, batch, n, written, locs)
             if snap.priorities:
                 seqs = list(snap.priorities)
                 record = PriorityRecord(seqs=seqs, priorities=[snap.priorities[s] for s in seqs])
                 written += write_all(fd, encode_record(record, seed=n)[0])
             written += write_all(fd, encode_record(SealRecord(), seed=n)[0])
-            os.fsync(fd)
+            if self.fsync != "none":
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.rename(tmp, self.dir / _segment_name(n))
-        _fsync_dir(self.dir)
-        return written
+        if self.fsync != "none":
+            _fsync_dir(self.dir)
+        return written, locs
 
     @staticmethod
-    def _write_groups(fd: int, groups: list[Group], n: int) -> int:
+    def _write_groups(fd: int, groups: list[Group], n: int, at: int, locs: list[list[Loc]]) -> int:
         record = PutRecord(groups=[LoggedGroup(seq=g.seq, trajs=g.metas) for g in groups])
-        return write_all(fd, encode_record(record, [f for g in groups for f in g.frames], seed=n)[0])
+        buffers, _ = encode_record(record, [f for g in groups for f in g.frames], seed=n)
+        pos = at + PREFIX.size + len(buffers[1])
+        for group in groups:
+            group_locs = []
+            for t in group.trajs:
+                group_locs.append((n, pos))
+                pos += t.nbytes
+            locs.append(group_locs)
+        return write_all(fd, buffers)
 
     def _finish_compaction(self) -> None:
-        future, replaces = self._compaction
+        future, replaces, groups = self._compaction
         self._compaction = None
         try:
-            written = future.result()
+            written, locs = future.result()
         except Exception:  # noqa: BLE001 - the old segments are intact; retry later
             log.exception("compaction of %s failed; keeping the uncompacted log", self.dir)
             self.counters["compaction_errors"] += 1
@@ -473,13 +711,17 @@ class SegmentLog(ExperienceLog):
             for tmp in self.dir.glob("*.tmp"):
                 tmp.unlink(missing_ok=True)
             return
+        for group, group_locs in zip(groups, locs):  # live groups now lie in the snapshot
+            for t, loc in zip(group.trajs, group_locs):
+                self._move(t, loc)
         for n in [n for n in self.segments if n <= replaces]:
             self.segments.remove(n)
             del self.segment_bytes[n]
-            self._retire(n)
+            self.retiring.append(n)
         self.segments = sorted([*self.segments, replaces + 1])
         self.segment_bytes[replaces + 1] = written
         self.counters["compactions"] += 1
+        self._retire_ready(time.monotonic())
 
     def wait_for_compaction(self) -> None:
         """Block until a running compaction is done and cleaned up (tests, shutdown)."""
@@ -493,28 +735,86 @@ class SegmentLog(ExperienceLog):
         self.wait_for_compaction()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        if self.fd >= 0 and self.broken is None:
-            self._close_active()
-        elif self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        if self.fd >= 0:
+            try:
+                self._close_active()
+            except LogWriteError as e:
+                log.warning("%s: could not seal the last segment: %s", self.dir, e)
+                os.close(self.fd)
+                self.fd = -1
+        self.maps.clear()
+        if self.ephemeral:  # mapped files stay readable for whoever still maps them
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def stats(self) -> dict[str, int]:
+        now = time.monotonic()
         return self.counters | {
             "log_bytes": self.total_bytes,
             "log_segments": len(self.segments) + (self.fd >= 0),
+            "reservations": len(self.reservations),
+            "reserved_bytes": self._reserved_bytes,
+            "retiring_segments": len(self.retiring),
+            "pinned_segments": self.pins.segments(now),
         }
 
 
-def _apply(record: Record, payload: memoryview, live: dict[int, Group], state: RecoveredState) -> None:
+@dataclass
+class _Where:
+    """Where a record being recovered lies."""
+
+    segment: int
+    payload_at: int  # file offset of its payload
+    fd: int  # the segment file, open for reading
+    record_at: int  # file offset of the record
+
+
+def _region_payload(record: PutRecord, where: _Where) -> tuple[memoryview, list[Loc]]:
+    """A PUT record's payload read from its region, checked, as one buffer with the
+    trajectories back to back (as an inline payload is), and their places in the file."""
+    if len(record.region) != 3:
+        raise CorruptRecord(f"PUT record region {record.region} is not [offset, nbytes, checksum]")
+    offset, nbytes, checksum = record.region
+    if offset < 0 or nbytes < 0 or offset + nbytes > where.record_at:
+        raise CorruptRecord(f"PUT record region [{offset}, {offset + nbytes}) is not before the record")
+    region = os.pread(where.fd, nbytes, offset)
+    if len(region) != nbytes or xxhash.xxh3_64_intdigest(region) != checksum:
+        raise CorruptRecord(
+            f"the region [{offset}, {offset + nbytes}) of a PUT record does not match its checksum"
+        )
+    metas = [m for g in record.groups for m in g.trajs]
+    if len(record.traj_at) != len(metas):
+        raise CorruptRecord(f"PUT record has {len(metas)} trajectories and {len(record.traj_at)} places")
+    parts, locs = [], []
+    for meta, at in zip(metas, record.traj_at):
+        size = sum(array_sizes(meta))
+        if not offset <= at <= offset + nbytes - size:
+            raise CorruptRecord(f"trajectory at byte {at} is outside its region")
+        parts.append(region[at - offset : at - offset + size])
+        locs.append((where.segment, at))
+    return memoryview(b"".join(parts)), locs
+
+
+def _apply(
+    record: Record, payload: memoryview, live: dict[int, Group], state: RecoveredState, where: _Where
+) -> None:
     """Fold one record into the state being recovered."""
     if isinstance(record, PutRecord):
+        if record.region:
+            payload, locs = _region_payload(record, where)
+        else:
+            locs = []
+            at = where.payload_at
+            for g in record.groups:
+                for m in g.trajs:
+                    locs.append((where.segment, at))
+                    at += sum(array_sizes(m))
         per_group = split_group_frames(record.groups, payload)
+        k = 0
         for logged, frames in zip(record.groups, per_group):
-            trajs = [
-                StoredTrajectory(meta=m, frames=f, nbytes=sum(v.nbytes for v in f))
-                for m, f in zip(logged.trajs, frames)
-            ]
+            trajs = []
+            for m, f in zip(logged.trajs, frames):
+                trajs.append(StoredTrajectory(meta=m, frames=f, nbytes=sum(v.nbytes for v in f), loc=locs[k]))
+                k += 1
             if not trajs:
                 raise CorruptRecord(f"PUT record group seq {logged.seq} has no trajectories")
             first = logged.trajs[0]
@@ -543,6 +843,11 @@ def _apply(record: Record, payload: memoryview, live: dict[int, Group], state: R
         state.next_seq = record.next_seq
 
 
-def build_log(cfg: BufferConfig, directory: Path | None) -> ExperienceLog:
-    """SegmentLog in `directory`, or NoLog when there is none (durability off)."""
-    return NoLog() if directory is None else SegmentLog(directory, cfg)
+def build_log(cfg: BufferConfig, directory: Path | None, arena: Path | None = None) -> ExperienceLog:
+    """SegmentLog in `directory`; else an ephemeral one in `arena` (same-host sharing without
+    durability); else NoLog."""
+    if directory is not None:
+        return SegmentLog(directory, cfg)
+    if arena is not None:
+        return SegmentLog(arena, cfg, ephemeral=True)
+    return NoLog()

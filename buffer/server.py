@@ -17,6 +17,14 @@ Socket rules:
   batch, and only then are the batch's replies sent (group commit): a reply never promises
   more than the log holds.
 - Linger 0 at close: a stopped shard does not block on unsent replies.
+
+Same-host data plane (`buffer.same_host_transport: auto`, docs/architecture.md): the shard's
+segment files (its log, or memory-backed segments in `buffer.shm_dir` without durability) are
+shared with clients on its host that read its token file (`same_host.py`). HELLO tells a
+client where they are; RESERVE hands a producer space in the active segment, which it fills
+itself before its PUT names it (the shard checks the bytes against the PUT's checksum before
+storing anything); GET and SAMPLE with the token answer with where each trajectory's arrays
+lie (`TrajRef`) instead of payload frames, and pin those segments (`view_pins.py`).
 """
 
 from __future__ import annotations
@@ -30,13 +38,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import xxhash
 import zmq
 
 from buffer.fifo_store import FifoStore
-from buffer.groups import GroupIncomplete, PutTooLarge, ShardFull
+from buffer.groups import Group, GroupIncomplete, PutTooLarge, ShardFull
+from buffer.log_records import array_sizes, region_layout
 from buffer.metrics import ShardMetrics
 from buffer.replay_store import ReplayStore
-from buffer.segment_log import LogWriteError, RecoveredState, Snapshot, build_log
+from buffer.same_host import host_id, make_arena, write_token
+from buffer.segment_log import LogWriteError, NoSuchRegion, RecoveredState, Snapshot, build_log
+from buffer.segment_maps import SegmentGone
 from buffer.sockets import shard_socket
 from buffer.store import ShardStore, build_store
 from sluice.config.buffer import BufferConfig
@@ -50,6 +62,8 @@ from sluice.wire.messages import (
     CancelRequest,
     GetReply,
     GetRequest,
+    HelloReply,
+    HelloRequest,
     NackReply,
     NackRequest,
     PingReply,
@@ -58,11 +72,14 @@ from sluice.wire.messages import (
     PriorityRequest,
     PutReply,
     PutRequest,
+    ReserveReply,
+    ReserveRequest,
     SampledItem,
     SampleReply,
     SampleRequest,
     StatsReply,
     StatsRequest,
+    TrajRef,
 )
 
 log = logging.getLogger(__name__)
@@ -99,8 +116,14 @@ class ShardServer:
         self.shard = shard
         self.clock = clock
         self.store: ShardStore = build_store(cfg)
-        self.log = build_log(cfg, log_dir)
+        arena = None
+        if cfg.same_host_transport == "auto" and log_dir is None:
+            arena = make_arena(cfg.shm_dir, shard, min_free_bytes=2 * cfg.segment_bytes)
+        self.log = build_log(cfg, log_dir, arena)
         self._restore(self.log.recover())
+        self.host_id = host_id()
+        self.token = write_token(self.log.shared_dir) if self.log.shared_dir is not None else ""
+        self.refs_served = 0  # trajectories answered by reference (same-host consumers)
         self.metrics = metrics
         self.rng = np.random.default_rng(seed)
         self.parked: list[ParkedGet] = []
@@ -154,6 +177,7 @@ class ShardServer:
     def _on_tick(self) -> None:
         now = self.clock()
         if isinstance(self.store, FifoStore) and self.store.expire_leases(now):
+            self.log.pins.release_missing(self.store.leases)
             self._serve_parked(now)
         expired = [p for p in self.parked if p.deadline <= now]
         if expired:
@@ -221,6 +245,7 @@ class ShardServer:
         elif isinstance(request, NackRequest):
             store = self._fifo("NACK")
             count = self._settle(request.lease_id, store.nack)
+            self.log.pins.release_lease(request.lease_id)
             self._reply(envelope, NackReply(proto=PROTO_VERSION, id=request.id, count=count))
             self._serve_parked(now)
         elif isinstance(request, SampleRequest):
@@ -236,21 +261,124 @@ class ShardServer:
             self._reply(envelope, reply)
         elif isinstance(request, PingRequest):
             self._reply(envelope, PingReply(proto=PROTO_VERSION, id=request.id))
+        elif isinstance(request, HelloRequest):
+            self._on_hello(envelope, request)
+        elif isinstance(request, ReserveRequest):
+            self._on_reserve(envelope, request)
 
     def stats(self) -> dict[str, int]:
-        return self.store.stats() | self.log.stats() | {"shard": self.shard, "parked_gets": len(self.parked)}
+        return (
+            self.store.stats()
+            | self.log.stats()
+            | {
+                "shard": self.shard,
+                "parked_gets": len(self.parked),
+                "same_host": int(bool(self.token)),
+                "refs_served": self.refs_served,
+            }
+        )
+
+    # -- same host -----------------------------------------------------------------------------
+
+    def _on_hello(self, envelope: Envelope, req: HelloRequest) -> None:
+        shared = self.log.shared_dir
+        reply = HelloReply(
+            proto=PROTO_VERSION,
+            id=req.id,
+            host_id=self.host_id,
+            shared_dir=str(shared) if shared is not None else "",
+            token_file="shard.token" if shared is not None else "",
+            min_put_bytes=self.cfg.same_host_min_put_bytes,
+        )
+        self._reply(envelope, reply)
+
+    def _on_reserve(self, envelope: Envelope, req: ReserveRequest) -> None:
+        if not self.token or req.token != self.token:
+            raise codec.ProtocolError(
+                "NOT_SAME_HOST",
+                "token does not match this shard's (it restarted, or offers no shared memory): "
+                "send HELLO again or PUT the payload as frames",
+            )
+        if not 0 < req.nbytes <= min(self.cfg.max_message_bytes, self.cfg.capacity_bytes):
+            raise codec.ProtocolError(
+                "TOO_LARGE" if req.nbytes > 0 else "BAD_HEADER",
+                f"nbytes={req.nbytes} must be in [1, min(max_message_bytes, capacity_bytes)]",
+            )
+        held = self.store.held_bytes if isinstance(self.store, FifoStore) else 0
+        if held + self.log.reserved_bytes + req.nbytes > self.cfg.capacity_bytes:
+            self._error(
+                envelope,
+                req.id,
+                "FULL",
+                f"{held} bytes held + {self.log.reserved_bytes} reserved + {req.nbytes} "
+                f"> capacity_bytes {self.cfg.capacity_bytes}",
+                retry_after_ms=self.cfg.retry_after_ms,
+            )
+            return
+        res = self.log.reserve(req.nbytes, envelope[0], time.monotonic())
+        self._reply(
+            envelope,
+            ReserveReply(
+                proto=PROTO_VERSION, id=req.id, region=res.region, segment=res.segment, offset=res.offset
+            ),
+        )
+
+    def _region_payload(self, envelope: Envelope, req: PutRequest, payload) -> tuple:
+        """The reserved region a same-host PUT names, checked: (reservation, per-trajectory
+        frames as views of it, the trajectories' places)."""
+        if payload:
+            raise codec.ProtocolError(
+                "BAD_PAYLOAD", f"a PUT naming a region takes no payload frames, got {len(payload)}"
+            )
+        try:
+            res = self.log.claim(req.region, envelope[0])
+        except NoSuchRegion:
+            raise codec.ProtocolError(
+                "BAD_PAYLOAD", f"region={req.region} is not reserved by this connection (expired or used)"
+            ) from None
+        sizes = []
+        for i, traj in enumerate(req.trajs):
+            codec.check_specs(traj.arrays, f"trajs[{i}]")
+            sizes.append(array_sizes(traj))
+        starts, total = region_layout([sum(s) for s in sizes])
+        if total != res.nbytes:
+            raise codec.ProtocolError(
+                "BAD_PAYLOAD",
+                f"the trajectories need a region of {total} bytes, region {req.region} has {res.nbytes}",
+            )
+        try:
+            data = self.log.region_bytes(res)
+        except SegmentGone as e:
+            raise codec.ProtocolError("BAD_PAYLOAD", f"region {req.region} was not written: {e}") from None
+        if xxhash.xxh3_64_intdigest(data) != req.region_checksum:
+            raise codec.ProtocolError(
+                "BAD_PAYLOAD",
+                f"region {req.region} does not match region_checksum (not, or not fully, written)",
+            )
+        per_traj = []
+        for start, traj_sizes in zip(starts, sizes):
+            frames, at = [], start
+            for n in traj_sizes:
+                frames.append(data[at : at + n])
+                at += n
+            per_traj.append(frames)
+        return res, per_traj, [(res.segment, res.offset + start) for start in starts]
 
     # -- writes --------------------------------------------------------------------------------
 
     def _on_put(self, envelope: Envelope, req: PutRequest, payload, now: float) -> None:
+        res = locs = None
+        if req.region is not None:  # (claimed first: whatever happens next, it is used up)
+            res, per_traj, locs = self._region_payload(envelope, req, payload)
         if len(req.trajs) > self.cfg.max_batch:
             raise codec.ProtocolError(
                 "TOO_LARGE", f"trajs: {len(req.trajs)} trajectories > max_batch {self.cfg.max_batch}"
             )
-        payload = [f.bytes if isinstance(f, zmq.Frame) and len(f) < COMPACT_BELOW else f for f in payload]
-        per_traj = codec.split_payload(req.trajs, payload)
+        if res is None:
+            payload = [f.bytes if isinstance(f, zmq.Frame) and len(f) < COMPACT_BELOW else f for f in payload]
+            per_traj = codec.split_payload(req.trajs, payload)
         try:
-            prepared = self.store.prepare_put(req.trajs, per_traj)
+            prepared = self.store.prepare_put(req.trajs, per_traj, locs)
         except GroupIncomplete as e:
             raise codec.ProtocolError("BAD_HEADER", f"trajs: {e}") from None
         except PutTooLarge as e:
@@ -258,7 +386,9 @@ class ShardServer:
         except ShardFull as e:
             self._error(envelope, req.id, "FULL", str(e), retry_after_ms=self.cfg.retry_after_ms)
             return
-        if prepared.groups:
+        if prepared.groups and res is not None:
+            self.log.append_put_region(prepared, res, req.region_checksum)  # LogWriteError: UNAVAILABLE
+        elif prepared.groups:
             self.log.append_put(prepared)  # LogWriteError: nothing stored, UNAVAILABLE
         self.store.commit_put(prepared)
         reply = PutReply(
@@ -277,6 +407,7 @@ class ShardServer:
         lease = self._settle(req.lease_id, store.lease)
         self.log.append_ack(lease.lease_id, [g.seq for g in lease.groups])
         count = store.ack(lease.lease_id)
+        self.log.pins.release_lease(lease.lease_id)
         self._reply(envelope, AckReply(proto=PROTO_VERSION, id=req.id, count=count))
 
     def _on_priority(self, envelope: Envelope, req: PriorityRequest) -> None:
@@ -313,15 +444,41 @@ class ShardServer:
         if lease is None:
             self._reply(envelope, GetReply(proto=PROTO_VERSION, id=req.id, dropped_stale=dropped))
             return True
+        by_ref = bool(req.token) and req.token == self.token
+        refs, frames, segments = self._payload(lease.groups, by_ref)
+        self.log.pins.pin_lease(lease.lease_id, segments)
         reply = GetReply(
             proto=PROTO_VERSION,
             id=req.id,
             lease_id=lease.lease_id,
             trajs=[m for g in lease.groups for m in g.metas],
             dropped_stale=dropped,
+            refs=refs,
         )
-        self._reply(envelope, reply, [f for g in lease.groups for f in g.frames])
+        self._reply(envelope, reply, frames)
         return True
+
+    def _payload(self, groups: list[Group], by_ref: bool) -> tuple[list[TrajRef], list, set[int]]:
+        """What a reply carries for `groups`: refs (by_ref) where the log holds a trajectory,
+        frames for the rest, and the segments whose files the receiver (or ZeroMQ, still
+        sending views of them) may read until the lease ends."""
+        refs: list[TrajRef] = []
+        frames: list = []
+        segments: set[int] = set()
+        for group in groups:
+            for t in group.trajs:
+                if by_ref and t.loc is not None:
+                    refs.append(TrajRef(t.loc[0], t.loc[1]))
+                    segments.add(t.loc[0])
+                    continue
+                if by_ref:
+                    refs.append(TrajRef(-1, 0))
+                if t.mapped:
+                    segments.add(t.loc[0])
+                frames.extend(t.frames)
+        if by_ref:
+            self.refs_served += sum(r.segment >= 0 for r in refs)
+        return refs, frames, segments
 
     def _serve_parked(self, now: float) -> None:
         if not self.parked:
@@ -353,6 +510,9 @@ class ShardServer:
         rng = self.rng if req.seed is None else np.random.default_rng(req.seed)
         sample = store.sample(req.n, req.policy_id, req.min_version, req.beta, rng)
         self._log_drops()
+        by_ref = bool(req.token) and req.token == self.token
+        refs, frames, segments = self._payload([d.group for d in sample.draws], by_ref)
+        self.log.pins.hold(segments, time.monotonic() + self.cfg.same_host_view_hold_s)
         reply = SampleReply(
             proto=PROTO_VERSION,
             id=req.id,
@@ -364,8 +524,9 @@ class ShardServer:
             count=sample.count,
             total_priority=sample.total_priority,
             dropped_stale=sample.dropped_stale,
+            refs=refs,
         )
-        self._reply(envelope, reply, [f for d in sample.draws for f in d.group.frames])
+        self._reply(envelope, reply, frames)
 
     # -- helpers -------------------------------------------------------------------------------
 

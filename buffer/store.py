@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from buffer.dedupe import DedupeWindow
-from buffer.groups import Group, PreparedPut, PutTooLarge, assemble_groups
+from buffer.groups import Group, Loc, PreparedPut, PutTooLarge, assemble_groups
 from sluice.config.buffer import BufferConfig
 from sluice.wire.codec import Frame
 from sluice.wire.messages import TrajectoryMeta
@@ -54,9 +54,15 @@ class ShardStore(ABC):
 
     # -- writes --------------------------------------------------------------------------------
 
-    def prepare_put(self, metas: Sequence[TrajectoryMeta], frames: Sequence[Sequence[Frame]]) -> PreparedPut:
-        """Validate a PUT and decide its effect (raises GroupIncomplete, ShardFull, PutTooLarge)."""
-        prepared = assemble_groups(metas, frames, self.dedupe, self.next_seq)
+    def prepare_put(
+        self,
+        metas: Sequence[TrajectoryMeta],
+        frames: Sequence[Sequence[Frame]],
+        locs: Sequence[Loc] | None = None,
+    ) -> PreparedPut:
+        """Validate a PUT and decide its effect (raises GroupIncomplete, ShardFull, PutTooLarge).
+        `locs`: the frames are views of the log's files, there (a same-host PUT)."""
+        prepared = assemble_groups(metas, frames, self.dedupe, self.next_seq, locs)
         new_policies = {g.policy_id for g in prepared.groups} - set(self.policy_trajs)
         if len(self.policy_trajs) + len(new_policies) > self.max_policies:
             raise PutTooLarge(

@@ -65,11 +65,34 @@ class RunningShard:
         self.start()
 
 
+TRANSPORT_CONFIG = {
+    # every byte over ZeroMQ
+    "zmq": {"same_host_transport": "zmq"},
+    # same-host shared memory for every PUT (however small) and every GET/SAMPLE
+    "shm": {"same_host_transport": "auto", "same_host_min_put_bytes": 0},
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test module with `TRANSPORTS = [...]` runs its shard tests once per transport."""
+    transports = getattr(metafunc.module, "TRANSPORTS", None)
+    if transports and "transport" in metafunc.fixturenames:
+        metafunc.parametrize("transport", transports, indirect=True)
+
+
 @pytest.fixture
-def shard_factory() -> Iterator:
+def transport(request: pytest.FixtureRequest) -> str:
+    """How shards made by `shard_factory` move payload bytes to same-host clients (default:
+    shared memory, as a default config does)."""
+    return getattr(request, "param", "shm")
+
+
+@pytest.fixture
+def shard_factory(transport: str) -> Iterator:
     started: list[RunningShard] = []
 
     def make(log_dir: Path | None = None, **overrides) -> RunningShard:
+        overrides = TRANSPORT_CONFIG[transport] | overrides
         cfg = BufferConfig(endpoints=[f"tcp://127.0.0.1:{free_port()}"], **overrides)
         shard = RunningShard(cfg, log_dir=log_dir)
         started.append(shard)

@@ -13,6 +13,8 @@ import zmq
 from buffer.client import BufferClient, BufferError, ShardUnavailable, shard_of
 from sluice.net import free_port
 
+TRANSPORTS = ["zmq", "shm"]  # every shard test runs over both (tests/conftest.py)
+
 
 def group(gid: str, size: int = 2, version: int = 0) -> list:
     from sluice.trajectory import Trajectory

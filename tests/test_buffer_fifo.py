@@ -12,6 +12,8 @@ from buffer.fifo_store import FifoStore, GroupIncomplete, ShardFull
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec
 
+TRANSPORTS = ["zmq", "shm"]  # every shard test runs over both (tests/conftest.py)
+
 
 def group(gid: str, version: int, size: int = 2, nbytes: int = 16) -> list[Trajectory]:
     return [

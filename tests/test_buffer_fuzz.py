@@ -35,6 +35,13 @@ VALID = {
     "SAMPLE": ({"proto": 1, "op": "SAMPLE", "id": 1, "n": 2, "beta": 0.5, "policy_id": "p"}, []),
     "PRIORITY": ({"proto": 1, "op": "PRIORITY", "id": 1, "keys": [0], "priorities": [1.0]}, []),
     "CANCEL": ({"proto": 1, "op": "CANCEL", "id": 1, "target": 3}, []),
+    "HELLO": ({"proto": 1, "op": "HELLO", "id": 1, "host_id": "h"}, []),
+    "RESERVE": ({"proto": 1, "op": "RESERVE", "id": 1, "nbytes": 4096, "token": "t"}, []),
+    "PUT_REGION": (
+        {"proto": 1, "op": "PUT", "id": 1, "trajs": [META], "region": 7, "region_checksum": 0},
+        [],
+    ),
+    "GET_REFS": ({"proto": 1, "op": "GET", "id": 1, "max_trajs": 4, "token": "t"}, []),
 }
 # For each field, values of a type it never accepts (msgspec is strict: no int<->str, no
 # float->int, no bool->int coercion).
@@ -59,6 +66,11 @@ WRONG = {
     "keys": NOT_LIST,
     "priorities": NOT_LIST,
     "beta": NOT_FLOAT,
+    "host_id": NOT_STR,
+    "token": NOT_STR,
+    "nbytes": NOT_INT,
+    "region": st.one_of(st.text(max_size=8), st.floats(allow_nan=False), st.lists(INTS, max_size=3)),
+    "region_checksum": NOT_INT,
 }
 META_WRONG = {
     "traj_id": NOT_STR,
@@ -171,11 +183,12 @@ def test_structurally_random_requests_never_break_the_shard(peer):
     )
     keys = st.sampled_from(
         ["proto", "op", "id", "trajs", "max_trajs", "n", "keys", "priorities", "lease_id", "x"]
+        + ["nbytes", "token", "region", "region_checksum", "host_id"]
     )
 
     @FUZZ
     @given(
-        st.sampled_from([*VALID, "STATS", "PING", "NACK", "NOPE"]),
+        st.sampled_from([*(h["op"] for h, _ in VALID.values()), "STATS", "PING", "NACK", "NOPE"]),
         st.dictionaries(keys, values, max_size=5),
         st.lists(st.binary(max_size=64), max_size=3),
     )
@@ -239,11 +252,27 @@ def test_a_message_above_max_message_bytes_closes_only_that_connection(shard_fac
 
 def test_log_reader_rejects_garbage_without_other_errors():
     @settings(max_examples=300, deadline=None)
-    @given(st.binary(max_size=200))
-    def check(data):
+    @given(st.sampled_from([b"", b"SLG1", b"SLR1"]), st.binary(max_size=200))
+    def check(magic, data):
+        data = magic + data
         try:
             read_record(io.BytesIO(data), len(data), seed=1)
         except CorruptRecord:
             pass
 
     check()
+
+
+def test_same_host_requests_without_the_token_are_refused(peer):
+    """RESERVE needs the token only a process that can read the shard's token file has; a GET
+    with a wrong token is served with frames, not references; a PUT naming a region this
+    connection never reserved stores nothing."""
+    reply = peer.ask([msgspec.msgpack.encode(VALID["RESERVE"][0])])
+    assert_error(reply)
+    assert reply["code"] == "NOT_SAME_HOST" and "token" in reply["message"], reply
+    reply = peer.ask([msgspec.msgpack.encode(VALID["PUT_REGION"][0])])
+    assert_error(reply)
+    assert reply["code"] == "BAD_PAYLOAD" and "region=7" in reply["message"], reply
+    hello = peer.ask([msgspec.msgpack.encode(VALID["HELLO"][0])])
+    assert hello["ok"] and hello["op"] == "HELLO" and hello["token_file"] == "shard.token"
+    assert "token" not in hello  # the token itself never travels in a reply

@@ -1,5 +1,5 @@
 """kill -9 a real shard process mid-stream, restart it: every acknowledged trajectory is
-delivered exactly once (ids and count checked)."""
+delivered exactly once (ids and count checked), over ZeroMQ and over the same-host path."""
 
 from __future__ import annotations
 
@@ -60,24 +60,33 @@ def wait_for(predicate, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+TRANSPORT_SETTINGS = {
+    "zmq": {"same_host_transport": "zmq"},
+    "shm": {"same_host_transport": "auto", "same_host_min_put_bytes": 0},  # every PUT shared
+}
+
+
 @pytest.mark.slow
-def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(tmp_path, process_reaper):
+@pytest.mark.parametrize("transport", sorted(TRANSPORT_SETTINGS))
+def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
+    tmp_path, process_reaper, transport
+):
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     config = tmp_path / "config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "run": {"dir": str(tmp_path / "run")},
-                "buffer": {"endpoints": [endpoint], "lease_timeout_s": 30, "fsync": "none"},
-            }
-        )
-    )
+    buffer = {
+        "endpoints": [endpoint],
+        "lease_timeout_s": 30,
+        "fsync": "none",
+        **TRANSPORT_SETTINGS[transport],
+    }
+    config.write_text(yaml.safe_dump({"run": {"dir": str(tmp_path / "run")}, "buffer": buffer}))
     log = tmp_path / "shard.log"
     shard = start_shard(config, log, process_reaper)
 
     put_acked: list[str] = []  # ids whose PUT the shard acknowledged
     delivered: list[str] = []  # ids whose lease the consumer ACKed successfully
     failures: list[BaseException] = []
+    shared = {"put_bytes": 0, "got": 0}  # what went through shared memory
     stop = threading.Event()
 
     def produce() -> None:
@@ -87,6 +96,7 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
                 client.put(trajs)  # retries across the crash; raises only when giving up
                 put_acked.extend(t.traj_id for t in trajs)
                 time.sleep(0.003)
+            shared["put_bytes"] = client.shared_put_bytes
 
     def consume() -> None:
         with BufferClient([endpoint], timeout_s=5) as client:
@@ -100,6 +110,7 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
                 except (BufferError, BufferTimeout):
                     continue  # the lease died with the shard: these come back, unacknowledged
                 delivered.extend(t.traj_id for t in batch.trajs)
+                shared["got"] = client.shared_get_trajs
 
     def guarded(fn):
         def run():
@@ -136,3 +147,7 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
     with BufferClient([endpoint], timeout_s=5) as client:
         stats = client.stats()[0].stats
         assert stats["held"] == 0 and stats["leased"] == 0
+    if transport == "shm":  # most of the traffic (before and after the restart) was shared
+        assert shared["put_bytes"] > N_GROUPS * GROUP_SIZE * 2048 // 2 and shared["got"] > N_GROUPS
+    else:
+        assert shared == {"put_bytes": 0, "got": 0}

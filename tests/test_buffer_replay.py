@@ -14,6 +14,8 @@ from sluice.config.buffer import ReplayConfig
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec
 
+TRANSPORTS = ["zmq", "shm"]  # every shard test runs over both (tests/conftest.py)
+
 # chi-square critical values at p = 0.001 (df -> value); a correct sampler fails 1 run in 1000,
 # and the seeds are fixed, so the outcome is deterministic.
 CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32}

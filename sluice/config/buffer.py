@@ -63,6 +63,22 @@ class BufferConfig(Section):
     """The log is never compacted below this size."""
     compact_ratio: float = Field(2.0, ge=1.1)
     """Compact when the log is larger than this times the bytes of the samples it still holds."""
+    same_host_transport: Literal["auto", "zmq"] = "auto"
+    """auto: clients on the shard's host move payload bytes through shared memory (the shard's
+    segment files; ZeroMQ carries only headers) after proving they see the shard's files;
+    zmq: every byte travels over ZeroMQ. Remote clients always use ZeroMQ."""
+    shm_dir: str = "/dev/shm"
+    """Where a shard without a log (durable false, or no log directory) keeps the memory-backed
+    segments that same-host clients share; removed when the shard stops."""
+    same_host_min_put_bytes: int = Field(64 << 10, ge=0)
+    """PUT messages with fewer payload bytes than this go over ZeroMQ even on the same host
+    (a reservation round trip costs more than copying a few KB)."""
+    reserve_timeout_s: float = Field(60.0, gt=0)
+    """A same-host producer must PUT the space it reserved within this time; later the space
+    is abandoned and its segment file is deleted, never reused (a late write cannot land in it)."""
+    same_host_view_hold_s: float = Field(30.0, gt=0)
+    """Replay: arrays returned by a same-host SAMPLE are views of segment files; a segment is
+    not reused for this long after a SAMPLE returned views of it. Copy what you keep longer."""
     host: str = "127.0.0.1"
     """Host clients connect to when `endpoints` is empty."""
     base_port: int = Field(0, ge=0, le=65535)

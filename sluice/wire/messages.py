@@ -41,6 +41,16 @@ class TrajectoryMeta(msgspec.Struct, forbid_unknown_fields=True):
     info: dict[str, Scalar] = {}  # W: rollout/task (free-form scalars). R: metrics
 
 
+class TrajRef(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """Where a trajectory's arrays lie, for a same-host client (encoded as [segment, offset]):
+    in segment file `segment` of the shard's shared directory, the first array at byte `offset`,
+    the others right after it in the order of its specs. segment -1: its arrays travel as
+    payload frames instead (in order, as without refs)."""
+
+    segment: int  # W: shard. R: client (file <shared_dir>/<segment:012d>.seg)
+    offset: int  # W: shard. R: client
+
+
 # ---------------------------------------------------------------------------------------------
 # Requests (client -> buffer shard). `id` is chosen by the client and echoed in the reply.
 
@@ -54,6 +64,10 @@ class PutRequest(_Request, tag="PUT"):
     """Store trajectories. Idempotent by traj_id: a resend after a lost reply is harmless."""
 
     trajs: list[TrajectoryMeta]  # payload frames follow, trajectory by trajectory
+    # Same-host producers: the payload is not in frames but in a region reserved with RESERVE
+    # and written by the producer (layout: docs/protocol.md). None: payload frames follow.
+    region: int | None = None  # W: producer, ReserveReply.region. R: shard
+    region_checksum: int = 0  # W: producer, xxh3-64 (seed 0) of the region's bytes. R: shard checks
 
 
 class GetRequest(_Request, tag="GET"):
@@ -63,6 +77,7 @@ class GetRequest(_Request, tag="GET"):
     min_version: int = 0  # W: learner (its version - max_staleness). R: shard drops older groups
     policy_id: str = "default"  # W: learner. R: shard (which stream)
     wait_ms: int = 0  # W: learner. R: shard, how long to park the request when nothing is ready
+    token: str = ""  # W: same-host client, the shard's token. R: shard (match: refs, not frames)
 
 
 class AckRequest(_Request, tag="ACK"):
@@ -85,6 +100,7 @@ class SampleRequest(_Request, tag="SAMPLE"):
     policy_id: str = "default"  # W: learner. R: shard (which stream)
     beta: float = 0.4  # W: learner, importance-weight exponent (PER's beta). R: shard (weights)
     seed: int | None = None  # W: learner, for reproducible draws (tests). R: shard's sampler
+    token: str = ""  # W: same-host client, the shard's token. R: shard (match: refs, not frames)
 
 
 class PriorityRequest(_Request, tag="PRIORITY"):
@@ -104,6 +120,19 @@ class StatsRequest(_Request, tag="STATS"):
     pass
 
 
+class HelloRequest(_Request, tag="HELLO"):
+    """Which transports this shard offers this client (the same-host handshake)."""
+
+    host_id: str = ""  # W: client, its kernel's boot id. R: shard (logs)
+
+
+class ReserveRequest(_Request, tag="RESERVE"):
+    """Same-host producers: reserve `nbytes` of the shard's active segment for one PUT."""
+
+    nbytes: int  # W: producer, the region's size (its layout: docs/protocol.md). R: shard
+    token: str  # W: producer, read from the shard's token file. R: shard (must match its own)
+
+
 class PingRequest(_Request, tag="PING"):
     pass
 
@@ -118,6 +147,8 @@ Request = (
     | CancelRequest
     | StatsRequest
     | PingRequest
+    | HelloRequest
+    | ReserveRequest
 )
 
 
@@ -140,6 +171,7 @@ class GetReply(_Reply, tag="GET"):
     lease_id: str = ""  # empty when nothing was leased
     trajs: list[TrajectoryMeta] = []  # payload frames follow, trajectory by trajectory
     dropped_stale: int = 0  # trajectories dropped by this GET for being older than min_version
+    refs: list[TrajRef] = []  # one per traj when the request's token matched; else empty
 
 
 class AckReply(_Reply, tag="ACK"):
@@ -166,6 +198,7 @@ class SampleReply(_Reply, tag="SAMPLE"):
     count: int = 0  # groups eligible for drawing (after dropping stale ones)
     total_priority: float = 0.0  # sum of their sampling priorities (the normaliser of `prob`)
     dropped_stale: int = 0  # trajectories dropped by this SAMPLE for being older than min_version
+    refs: list[TrajRef] = []  # one per traj when the request's token matched; else empty
 
 
 class PriorityReply(_Reply, tag="PRIORITY"):
@@ -186,6 +219,19 @@ class PingReply(_Reply, tag="PING"):
     pass
 
 
+class HelloReply(_Reply, tag="HELLO"):
+    host_id: str = ""  # the shard's kernel boot id: a client with another one is remote
+    shared_dir: str = ""  # absolute path of the shard's segment files; "" offers ZeroMQ only
+    token_file: str = ""  # file in shared_dir holding the token; readable only by the shard's user
+    min_put_bytes: int = 0  # PUT messages with less payload should carry frames (not worth a RESERVE)
+
+
+class ReserveReply(_Reply, tag="RESERVE"):
+    region: int = 0  # id to name in the PUT (valid for this connection, for reserve_timeout_s)
+    segment: int = 0  # the region lies in <shared_dir>/<segment:012d>.seg ...
+    offset: int = 0  # ... from this byte (a multiple of 64), for the requested nbytes
+
+
 ErrorCode = Literal[
     "BAD_FRAME",  # the header frame is not a msgpack map
     "BAD_HEADER",  # the header does not match the op's schema
@@ -196,6 +242,7 @@ ErrorCode = Literal[
     "UNKNOWN_LEASE",  # ACK/NACK of a lease that expired or never existed
     "WRONG_MODE",  # an op of the other buffer mode (GET/ACK/NACK on replay, SAMPLE/PRIORITY on fifo)
     "UNAVAILABLE",  # the shard cannot write its log; nothing was changed, retry later
+    "NOT_SAME_HOST",  # RESERVE without the shard's token (or a shard that offers no shared memory)
     "INTERNAL",  # a bug in the server; it keeps serving
 ]
 
@@ -217,5 +264,7 @@ Reply = (
     | CancelReply
     | StatsReply
     | PingReply
+    | HelloReply
+    | ReserveReply
     | ErrorReply
 )

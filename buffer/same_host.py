@@ -1,0 +1,211 @@
+"""The same-host data plane: what a shard shares with clients on its host, and how they prove it.
+
+Both ends:
+- `host_id()`: the kernel's boot id. A client whose boot id differs from the shard's is on
+  another machine (or another VM) and uses ZeroMQ.
+- A shard that offers shared memory writes a fresh random token into `<shared_dir>/shard.token`
+  (mode 0600) when it starts. A client reads it and sends it with RESERVE, GET and SAMPLE; the
+  shard answers with references only when it matches. Reading the file proves that the client
+  sees the shard's files (same host, same mount namespace, same user), where a host name
+  proves nothing; a token of an earlier incarnation of the shard no longer matches, so a
+  client notices a restart (and a new directory) at its next request.
+
+Client side, `SameHostPeer` (one per shard link): read-only maps of the shard's segment files
+(views of GET/SAMPLE arrays) and write descriptors for the regions it reserved (pwritev: one
+copy of the payload, which is the log write). Shard side, `make_arena` / `write_token`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from buffer.log_records import REGION_ALIGN, array_sizes, region_layout, write_all
+from buffer.segment_maps import SegmentGone, SegmentMaps
+from sluice.trajectory import Trajectory
+from sluice.wire import codec
+from sluice.wire.messages import HelloReply, TrajectoryMeta, TrajRef
+
+log = logging.getLogger(__name__)
+
+TOKEN_FILE = "shard.token"
+ARENA_PREFIX = "sluice-buffer-"
+_ZEROS = bytes(REGION_ALIGN)
+
+
+def host_id() -> str:
+    """This kernel's boot id (unique per machine and boot); the host name where there is none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return os.uname().nodename
+
+
+# -- shard side ---------------------------------------------------------------------------------
+
+
+def write_token(directory: Path) -> str:
+    """A new random token in `directory`/shard.token, readable only by this user."""
+    token = secrets.token_hex(16)
+    tmp = directory / f".{TOKEN_FILE}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / TOKEN_FILE)
+    return token
+
+
+def make_arena(shm_dir: str, shard: int, min_free_bytes: int) -> Path | None:
+    """A private directory for a shard's memory-backed segments (durability off), after removing
+    those that shards killed before they could clean up left behind. None (with a warning)
+    if `shm_dir` is missing, not writable, or too small."""
+    base = Path(shm_dir)
+    try:
+        _remove_orphans(base)
+        free = shutil.disk_usage(base).free
+        if free < min_free_bytes:
+            log.warning(
+                "%s has %d MB free, a shard needs %d: same-host transport off (ZeroMQ only)",
+                base,
+                free >> 20,
+                min_free_bytes >> 20,
+            )
+            return None
+        path = base / f"{ARENA_PREFIX}{os.getpid()}-{shard}-{secrets.token_hex(4)}"
+        path.mkdir(mode=0o700)
+        return path
+    except OSError as e:
+        log.warning("cannot keep shared segments in %s (%s): same-host transport off", base, e)
+        return None
+
+
+def _remove_orphans(base: Path) -> None:
+    for path in base.glob(f"{ARENA_PREFIX}*"):
+        pid = path.name[len(ARENA_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- client side --------------------------------------------------------------------------------
+
+
+class SameHostPeer:
+    """What a client uses to share memory with one shard (see the module docstring)."""
+
+    def __init__(self, shared_dir: Path, token: str, min_put_bytes: int = 0) -> None:
+        self.dir = shared_dir
+        self.token = token
+        self.min_put_bytes = min_put_bytes  # the shard's advice: smaller PUTs carry frames
+        self.maps = SegmentMaps(shared_dir, keep=8)
+        self._fds: OrderedDict[int, int] = OrderedDict()
+
+    @classmethod
+    def open(cls, reply: HelloReply) -> SameHostPeer | None:
+        """The peer a HELLO reply offers, if this process is on the shard's host and can read
+        its token file; else None (ZeroMQ)."""
+        if not reply.shared_dir or reply.host_id != host_id():
+            return None
+        shared_dir = Path(reply.shared_dir)
+        try:
+            token = (shared_dir / reply.token_file).read_text().strip()
+        except OSError as e:
+            log.info("shard's shared directory %s not readable here (%s): using ZeroMQ", shared_dir, e)
+            return None
+        return cls(shared_dir, token, reply.min_put_bytes) if token else None
+
+    # -- producer ------------------------------------------------------------------------------
+
+    def write_region(self, segment: int, offset: int, trajs: Sequence[tuple[TrajectoryMeta, list]]) -> int:
+        """Write the trajectories' arrays into a reserved region (laid out by region_layout),
+        with zeroed gaps. Returns the xxh3-64 (seed 0) of the region. Raises OSError."""
+        sizes = [sum(array_sizes(meta)) for meta, _ in trajs]
+        starts, _ = region_layout(sizes)
+        buffers: list = []
+        end = 0
+        for start, (_, frames) in zip(starts, trajs):
+            if start > end:
+                buffers.append(memoryview(_ZEROS)[: start - end])
+            buffers.extend(frames)
+            end = start + sum(codec.frame_bytes(f).nbytes for f in frames)
+        digest = xxhash.xxh3_64()
+        for b in buffers:
+            digest.update(b)
+        write_all(self._fd(segment), buffers, offset)
+        return digest.intdigest()
+
+    def _fd(self, segment: int) -> int:
+        fd = self._fds.get(segment)
+        if fd is None:
+            fd = os.open(self.maps.path(segment), os.O_WRONLY)  # never O_CREAT: it must be the shard's
+            self._fds[segment] = fd
+            while len(self._fds) > 4:
+                os.close(self._fds.popitem(last=False)[1])
+        return fd
+
+    # -- consumer ------------------------------------------------------------------------------
+
+    def trajectories(
+        self, metas: Sequence[TrajectoryMeta], refs: Sequence[TrajRef], frames: Sequence[codec.Frame]
+    ) -> list[Trajectory]:
+        """Trajectories whose arrays are views of the shard's segment files where `refs` point
+        (and payload frames where a ref's segment is -1). Raises codec.ProtocolError."""
+        if len(refs) != len(metas):
+            raise codec.ProtocolError("BAD_PAYLOAD", f"{len(refs)} refs for {len(metas)} trajectories")
+        inline = [m for m, r in zip(metas, refs) if r.segment < 0]
+        per_inline = iter(codec.split_payload(inline, frames))
+        out = []
+        for i, (meta, ref) in enumerate(zip(metas, refs)):
+            if ref.segment < 0:
+                out.append(Trajectory.from_wire(meta, next(per_inline)))
+                continue
+            codec.check_specs(meta.arrays, f"trajs[{i}]")
+            sizes = array_sizes(meta)
+            try:
+                data = self.maps.view(ref.segment, ref.offset, sum(sizes))
+            except SegmentGone as e:
+                raise codec.ProtocolError("BAD_PAYLOAD", f"refs[{i}]: {e}") from None
+            arrays, at = {}, 0
+            for spec, n in zip(meta.arrays, sizes):
+                arrays[spec.name] = codec.view_array(spec, data[at : at + n])
+                at += n
+            out.append(_from_arrays(meta, arrays))
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self.maps.clear()
+
+
+def _from_arrays(meta: TrajectoryMeta, arrays: dict[str, np.ndarray]) -> Trajectory:
+    return Trajectory(
+        traj_id=meta.traj_id,
+        group_id=meta.group_id,
+        version=meta.version,
+        arrays=arrays,
+        group_size=meta.group_size,
+        policy_id=meta.policy_id,
+        reward=meta.reward,
+        info=dict(meta.info),
+    )
