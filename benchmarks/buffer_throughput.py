@@ -9,7 +9,12 @@ For each trajectory size, in the same run:
 - ray.util.queue.Queue (an actor-backed queue, what verl and OpenRLHF use) moving numpy arrays
   of the same size from a Ray task to the driver;
 - Sluice: a producer process PUTs (batched), the consumer (this process) GETs and ACKs, with
-  shard processes writing their durable log (fsync policy `--fsync`, default none).
+  shard processes writing their durable log (fsync policy `--fsync`, default none), over each
+  transport (`--transports`): `zmq` (every byte in ZeroMQ frames) and `same-host` (the
+  producer writes the arrays into space it reserved in the shard's segment file, the consumer
+  maps the files and gets views; ZeroMQ carries headers only). The consumer does not read the
+  arrays it gets (neither does the raw ZeroMQ receiver); `--extra-256kb` adds runs where it
+  reads every byte (xxh3), the price a learner pays when it collates.
 Throughput is trajectories (and payload MB) per second, measured after a warm-up (as for the
 baselines): for Sluice, enough data for each shard's log to compact once and start reusing
 its segment files (the steady state of a long run; `SHARD_LOG` below).
@@ -17,7 +22,7 @@ CPU s/GB is the CPU time (user + system) of every process of the case (sender/pr
 relay/shards, receiver/consumer) per GB moved: unlike throughput it hardly depends on what
 else loads the machine. Then one shard is filled to capacity to measure its memory (RSS).
 
-    python benchmarks/buffer_throughput.py            # a couple of minutes
+    python benchmarks/buffer_throughput.py            # several minutes
     python benchmarks/buffer_throughput.py --quick    # seconds (the smoke test uses it)
 
 Prints a table and writes JSON (default benchmarks/results/buffer_throughput.json).
@@ -50,6 +55,9 @@ SIZE_NAMES = {"1KB": KB, "16KB": 16 * KB, "256KB": 256 * KB, "4MB": 4 * MB}
 SHARD_LOG = {"compact_min_bytes": 128 * MB, "segment_bytes": 32 * MB}  # log settings of the shards
 
 
+TRANSPORTS = {"zmq": "zmq", "same-host": "auto"}  # name in the table -> buffer.same_host_transport
+
+
 @dataclass
 class Case:
     system: str  # raw_zmq | raw_zmq_relay | ray_queue | sluice
@@ -60,6 +68,17 @@ class Case:
     batch: int = 1
     note: str = ""
     cpu_s: float | None = None  # CPU time of every process of the case (None: not measured)
+    log_amplification: float = 0.0  # sluice: bytes written to the log (all of it) / payload bytes PUT
+    compacted_share: float = 0.0  # sluice: of which compaction's copies
+    transport: str = ""  # sluice: zmq | same-host
+    shared_fraction: float = 0.0  # sluice: share of trajectories that went through shared memory
+    cpu_roles: dict[str, float] = field(default_factory=dict)  # sluice: CPU s/GB of each role
+    mb_per_s_runs: list[float] = field(default_factory=list)  # every run's MB/s (with --repeat)
+
+    @property
+    def name(self) -> str:
+        name = self.system if not self.transport else f"{self.system} {self.transport}"
+        return name if not self.note else f"{name} ({self.note})"
 
     @property
     def trajs_per_s(self) -> float:
@@ -77,6 +96,7 @@ class Case:
 @dataclass
 class MemoryPoint:
     size: int
+    transport: str
     capacity: int
     held_bytes: int
     rss_empty: int
@@ -130,7 +150,11 @@ class CpuMeter:
         return out
 
     def used(self) -> float:
-        return sum(b - a for a, b in zip(self.start, self._now()))
+        return sum(self.each())
+
+    def each(self) -> list[float]:
+        """CPU seconds of each process since the start: this one first, then the given pids."""
+        return [b - a for a, b in zip(self.start, self._now())]
 
 
 # -- raw ZeroMQ --------------------------------------------------------------------------------
@@ -265,7 +289,9 @@ def warmup_count(size: int, shards: int, n: int) -> int:
     return int(min(20000, max(n // 20, cycle * shards // size)))
 
 
-def _producer_main(endpoints: list[str], size: int, n: int, batch: int, ready, go, done) -> None:
+def _producer_main(
+    endpoints: list[str], same_host: str, size: int, n: int, batch: int, ready, go, done, shared
+) -> None:
     from buffer.client import BufferClient
     from sluice.trajectory import Trajectory
 
@@ -274,8 +300,8 @@ def _producer_main(endpoints: list[str], size: int, n: int, batch: int, ready, g
     block = np.random.default_rng(0).integers(0, 255, size * batch, dtype=np.uint8)
     views = [block[j * size : (j + 1) * size] for j in range(batch)]
     run = uuid.uuid4().hex[:8]
-    with BufferClient(endpoints, timeout_s=60, put_give_up_s=300) as client:
-        client.ping(timeout_s=30)  # connected to every shard before the clock starts
+    with BufferClient(endpoints, timeout_s=60, put_give_up_s=300, same_host=same_host) as client:
+        client.ping(timeout_s=30)  # connected (and, same host, shared) before the clock starts
         ready.set()
         go.wait()
         for start in range(0, n, batch):
@@ -286,13 +312,22 @@ def _producer_main(endpoints: list[str], size: int, n: int, batch: int, ready, g
                 for i in range(start, min(n, start + batch))
             ]
             client.put(trajs)
+        shared.value = client.shared_put_bytes
     done.set()
 
 
 class ShardFleet:
     """N shard processes with their own logs in a temporary directory."""
 
-    def __init__(self, shards: int, fsync: str, durable: bool, capacity: int, capacity_bytes: int) -> None:
+    def __init__(
+        self,
+        shards: int,
+        fsync: str,
+        durable: bool,
+        capacity: int,
+        capacity_bytes: int,
+        transport: str = "zmq",
+    ) -> None:
         from sluice.config.buffer import BufferConfig
 
         self.tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
@@ -304,6 +339,7 @@ class ShardFleet:
             capacity=capacity,
             capacity_bytes=capacity_bytes,
             log_dir=str(self.tmp),
+            same_host_transport=TRANSPORTS[transport],
             **SHARD_LOG,
         )
         ctx = mp.get_context("spawn")
@@ -330,24 +366,45 @@ class ShardFleet:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def bench_sluice(shards: int, size: int, n: int, fsync: str, durable: bool = True) -> Case:
+def bench_sluice(
+    shards: int,
+    size: int,
+    n: int,
+    fsync: str,
+    durable: bool = True,
+    transport: str = "zmq",
+    reads: bool = False,
+) -> Case:
+    """PUT + GET + ACK through `shards` shard processes. `reads`: the consumer reads every byte."""
+    import xxhash
+
     from buffer.client import BufferClient
 
     batch = put_batch_for(size)
     capacity = max(4 * batch * shards, 4096)
     fleet = ShardFleet(
-        shards, fsync, durable, capacity=capacity, capacity_bytes=max(1 << 30, 8 * batch * size)
+        shards,
+        fsync,
+        durable,
+        capacity=capacity,
+        capacity_bytes=max(1 << 30, 8 * batch * size),
+        transport=transport,
     )
     ctx = mp.get_context("spawn")
     ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
-    warm = warmup_count(size, shards, n) if durable else max(1, n // 20)
+    shared_bytes = ctx.Value("q", 0)
+    # Durable, or sharing memory-backed segments: reach the steady state of segment reuse first.
+    cycled = durable or transport == "same-host"
+    warm = warmup_count(size, shards, n) if cycled else max(1, n // 20)
     total = warm + n
+    same_host = TRANSPORTS[transport]
     producer = ctx.Process(
-        target=_producer_main, args=(fleet.cfg.endpoints, size, total, batch, ready, go, done)
+        target=_producer_main,
+        args=(fleet.cfg.endpoints, same_host, size, total, batch, ready, go, done, shared_bytes),
     )
     producer.start()
     try:
-        with BufferClient(fleet.cfg.endpoints, timeout_s=60) as client:
+        with BufferClient(fleet.cfg.endpoints, timeout_s=60, same_host=same_host) as client:
             got = 0
             client.ping(timeout_s=30)
             if not ready.wait(120):
@@ -365,28 +422,61 @@ def bench_sluice(shards: int, size: int, n: int, fsync: str, durable: bool = Tru
                 leased = client.get(2 * batch, wait_ms=200)
                 if leased.trajs:
                     got += len(leased.trajs)
+                    if reads:
+                        for t in leased.trajs:
+                            xxhash.xxh3_64_intdigest(t.arrays["x"])
                     client.ack(leased)
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > 60:
                     raise TimeoutError(f"sluice: no data for 60 s after {got}/{total}")
             seconds = time.perf_counter() - t0
-            cpu = meter.used()
+            each = meter.each()
+            cpu = sum(each)
             n = got - counted_from
+            shared_got = client.shared_get_trajs
+            gb = n * size / (1 << 30)
+            stats = [r.stats for r in client.stats()]
+            written = sum(
+                st.get(k, 0) for st in stats for k in ("log_written_bytes", "compacted_bytes", "region_bytes")
+            )
+            compacted = sum(st.get("compacted_bytes", 0) for st in stats)
+            roles = {"consumer": each[0] / gb, "producer": each[1] / gb, "shards": sum(each[2:]) / gb}
         producer.join(timeout=60)
     finally:
         if producer.is_alive():
             producer.kill()
         fleet.close()
     note = f"log, fsync={fsync}" if durable else "no log"
-    return Case("sluice", shards, size, n, seconds, batch=batch, note=note, cpu_s=cpu)
+    if reads:
+        note += ", consumer reads"
+    shared = min(shared_got / total, shared_bytes.value / (total * size))
+    return Case(
+        "sluice",
+        shards,
+        size,
+        n,
+        seconds,
+        batch=batch,
+        note=note,
+        cpu_s=cpu,
+        transport=transport,
+        shared_fraction=shared,
+        cpu_roles=roles,
+        log_amplification=written / (total * size),
+        compacted_share=compacted / max(1, written),
+    )
 
 
-def measure_memory(size: int, capacity: int) -> MemoryPoint:
-    """Fill one shard to capacity; RSS of the shard process before and after."""
+def measure_memory(size: int, capacity: int, transport: str = "zmq") -> MemoryPoint:
+    """Fill one shard to capacity; RSS of the shard process before and after. (Same host, the
+    payload lies in the shard's segment files, i.e. the page cache: RSS counts the pages the
+    shard mapped, once it read them to check their checksum.)"""
     from buffer.client import BufferClient, BufferError
     from sluice.trajectory import Trajectory
 
-    fleet = ShardFleet(1, "none", True, capacity=capacity, capacity_bytes=capacity * size + MB)
+    fleet = ShardFleet(
+        1, "none", True, capacity=capacity, capacity_bytes=capacity * size + MB, transport=transport
+    )
     try:
         proc = psutil.Process(fleet.procs[0].pid)
         time.sleep(0.5)
@@ -394,7 +484,10 @@ def measure_memory(size: int, capacity: int) -> MemoryPoint:
         payload = np.zeros(size, dtype=np.uint8)
         batch = put_batch_for(size)
         run = uuid.uuid4().hex[:8]
-        with BufferClient(fleet.cfg.endpoints, timeout_s=60, put_give_up_s=0.5) as client:
+        with BufferClient(
+            fleet.cfg.endpoints, timeout_s=60, put_give_up_s=0.5, same_host=TRANSPORTS[transport]
+        ) as client:
+            client.ping(timeout_s=30)
             i = 0
             while i < capacity:
                 trajs = [
@@ -413,7 +506,7 @@ def measure_memory(size: int, capacity: int) -> MemoryPoint:
             rss_full = proc.memory_info().rss
     finally:
         fleet.close()
-    return MemoryPoint(size, capacity, held, rss_empty, rss_full)
+    return MemoryPoint(size, transport, capacity, held, rss_empty, rss_full)
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -423,10 +516,34 @@ def size_name(size: int) -> str:
     return next((k for k, v in SIZE_NAMES.items() if v == size), f"{size}B")
 
 
+def progress(console: Console, c: Case) -> None:
+    roles = ", ".join(f"{k} {v:.2f}" for k, v in c.cpu_roles.items())
+    console.print(
+        f"  {c.name}, {c.shards} shard(s): {c.mb_per_s:,.1f} MB/s, {c.cpu_s_per_gb:.2f} CPU s/GB "
+        f"({roles}), shared {c.shared_fraction:.0%}, log writes {c.log_amplification:.2f}x payload "
+        f"({c.compacted_share:.0%} compaction)"
+    )
+
+
+def medians(runs: list[Case]) -> list[Case]:
+    """For each case measured several times, the run with the median throughput (its own CPU
+    figures), with every run's MB/s kept in `mb_per_s_runs`."""
+    by_case: dict[tuple, list[Case]] = {}
+    for c in runs:
+        by_case.setdefault((c.name, c.shards, c.size), []).append(c)
+    out = []
+    for same in by_case.values():
+        ordered = sorted(same, key=lambda c: c.mb_per_s)
+        median = ordered[(len(ordered) - 1) // 2]
+        median.mb_per_s_runs = [round(c.mb_per_s, 1) for c in same]
+        out.append(median)
+    return out
+
+
 def report(results: Results, console: Console) -> None:
     by_size: dict[int, dict[str, Case]] = {}
     for c in results.cases:
-        by_size.setdefault(c.size, {})[f"{c.system}/{c.shards}/{c.note}"] = c
+        by_size.setdefault(c.size, {})[f"{c.name}/{c.shards}"] = c
     table = Table(title="Buffer throughput: PUT + GET + ACK (sluice) vs raw ZeroMQ and Ray queue")
     cols = (
         "size",
@@ -448,10 +565,9 @@ def report(results: Results, console: Console) -> None:
         relay = next((c for c in cases.values() if c.system == "raw_zmq_relay"), None)
         ray = next((c for c in cases.values() if c.system == "ray_queue"), None)
         for c in cases.values():
-            name = c.system if not c.note else f"{c.system} ({c.note})"
             table.add_row(
                 size_name(size),
-                name,
+                c.name,
                 str(c.shards or "-"),
                 str(c.batch),
                 f"{c.trajs_per_s:,.0f}",
@@ -464,11 +580,20 @@ def report(results: Results, console: Console) -> None:
     console.print(table)
     if results.memory:
         mem = Table(title="Shard memory at capacity")
-        for col in ("size", "capacity", "payload MB", "RSS empty MB", "RSS full MB", "RSS growth / payload"):
+        for col in (
+            "size",
+            "transport",
+            "capacity",
+            "payload MB",
+            "RSS empty MB",
+            "RSS full MB",
+            "RSS growth / payload",
+        ):
             mem.add_column(col, justify="right")
         for m in results.memory:
             mem.add_row(
                 size_name(m.size),
+                m.transport,
                 str(m.capacity),
                 f"{m.held_bytes / MB:.1f}",
                 f"{m.rss_empty / MB:.1f}",
@@ -482,7 +607,13 @@ def report(results: Results, console: Console) -> None:
 def to_json(results: Results) -> dict:
     return {
         "cases": [
-            asdict(c) | {"trajs_per_s": c.trajs_per_s, "mb_per_s": c.mb_per_s, "cpu_s_per_gb": c.cpu_s_per_gb}
+            asdict(c)
+            | {
+                "name": c.name,
+                "trajs_per_s": c.trajs_per_s,
+                "mb_per_s": c.mb_per_s,
+                "cpu_s_per_gb": c.cpu_s_per_gb,
+            }
             for c in results.cases
         ],
         "memory": [asdict(m) | {"overhead": m.overhead} for m in results.memory],
@@ -496,22 +627,36 @@ def main() -> None:
     ap.add_argument("--sizes", default="1KB,16KB,256KB,4MB", help=f"comma-separated, of {list(SIZE_NAMES)}")
     ap.add_argument("--shards", default="1,4", help="comma-separated shard counts")
     ap.add_argument("--fsync", default="none", choices=["always", "interval", "none"])
+    ap.add_argument("--transports", default="zmq,same-host", help=f"comma-separated, of {list(TRANSPORTS)}")
     ap.add_argument("--mb-per-case", type=int, default=512, help="payload volume per measurement")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray queue baseline")
-    ap.add_argument("--extra-256kb", action="store_true", help="also 256KB with fsync=interval and no log")
+    ap.add_argument(
+        "--extra-256kb",
+        action="store_true",
+        help="also 256KB, 1 shard, each transport: fsync=interval, no log, a consumer that reads",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure every case this many times, interleaved, and keep the median (a loaded machine)",
+    )
     ap.add_argument("--out", default="benchmarks/results/buffer_throughput.json")
     args = ap.parse_args()
     console = Console()
     sizes = [SIZE_NAMES[s] for s in args.sizes.split(",")]
     shard_counts = [int(s) for s in args.shards.split(",")]
+    transports = args.transports.split(",")
+    if unknown := set(transports) - set(TRANSPORTS):
+        ap.error(f"--transports: unknown {sorted(unknown)}, choose from {list(TRANSPORTS)}")
     budget = args.mb_per_case * MB
     lo, hi = 200, 20000
     ray_budget = min(budget, 128 * MB)
-    memory_points = [(256 * KB, 1024), (KB, 65536)]
+    memory_points = [(256 * KB, 1024, t) for t in transports] + [(KB, 65536, "zmq")]
     if args.quick:
         sizes = [KB, 256 * KB] if args.sizes == ap.get_default("sizes") else sizes
         budget, ray_budget, lo, hi = 16 * MB, 8 * MB, 50, 2000
-        memory_points = [(256 * KB, 64)]
+        memory_points = [(256 * KB, 64, t) for t in transports]
 
     results = Results()
     results.machine = {
@@ -525,21 +670,27 @@ def main() -> None:
         for size in sizes:
             n = count_for(size, budget, lo, hi)
             console.print(f"[bold]{size_name(size)}[/]: {n} trajectories per case")
-            results.cases.append(bench_raw_zmq(size, n))
-            results.cases.append(bench_raw_zmq(size, n, relay=True))
-            if ray is not None:
-                results.cases.append(ray.run(size, count_for(size, ray_budget, lo // 2, hi // 4)))
-            for shards in shard_counts:
-                results.cases.append(bench_sluice(shards, size, n, args.fsync))
-                console.print(f"  sluice {shards} shard(s): {results.cases[-1].mb_per_s:,.1f} MB/s")
-            if args.extra_256kb and size == 256 * KB:
-                results.cases.append(bench_sluice(1, size, n, "interval"))
-                results.cases.append(bench_sluice(1, size, n, "none", durable=False))
+            runs: list[Case] = []
+            for _ in range(args.repeat):
+                runs.append(bench_raw_zmq(size, n))
+                runs.append(bench_raw_zmq(size, n, relay=True))
+                if ray is not None:
+                    runs.append(ray.run(size, count_for(size, ray_budget, lo // 2, hi // 4)))
+                for shards in shard_counts:
+                    for transport in transports:
+                        runs.append(bench_sluice(shards, size, n, args.fsync, transport=transport))
+                        progress(console, runs[-1])
+                if args.extra_256kb and size == 256 * KB:
+                    for transport in transports:
+                        runs.append(bench_sluice(1, size, n, "interval", transport=transport))
+                        runs.append(bench_sluice(1, size, n, "none", durable=False, transport=transport))
+                        runs.append(bench_sluice(1, size, n, args.fsync, transport=transport, reads=True))
+            results.cases += medians(runs)
     finally:
         if ray is not None:
             ray.close()
-    for size, capacity in memory_points:
-        results.memory.append(measure_memory(size, capacity))
+    for size, capacity, transport in memory_points:
+        results.memory.append(measure_memory(size, capacity, transport))
     results.machine["loadavg_end"] = os.getloadavg()
     report(results, console)
     out = Path(args.out)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict, defaultdict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from buffer.groups import Group, GroupIncomplete, PreparedPut, ShardFull
 from buffer.store import ShardStore, StoreCounters
@@ -29,10 +29,10 @@ class Lease:
     lease_id: str
     groups: list[Group]
     deadline: float
+    size: int = field(init=False)  # trajectories
 
-    @property
-    def size(self) -> int:
-        return sum(g.size for g in self.groups)
+    def __post_init__(self) -> None:
+        self.size = sum(g.size for g in self.groups)
 
 
 class FifoStore(ShardStore):

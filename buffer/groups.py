@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from buffer.dedupe import DedupeWindow, id_hash
 from sluice.wire.codec import Frame
@@ -46,15 +47,13 @@ class Group:
     group_id: str
     policy_id: str
     version: int  # oldest version of any trajectory in the group
-    trajs: list[StoredTrajectory]
+    trajs: list[StoredTrajectory]  # (never changes once the group is made)
     nbytes: int = field(init=False)
+    size: int = field(init=False)  # trajectories
 
     def __post_init__(self) -> None:
         self.nbytes = sum(t.nbytes for t in self.trajs)
-
-    @property
-    def size(self) -> int:
-        return len(self.trajs)
+        self.size = len(self.trajs)
 
     @property
     def metas(self) -> list[TrajectoryMeta]:
@@ -74,11 +73,11 @@ class PreparedPut:
     evicted: list[int] = field(default_factory=list)  # replay: seqs the commit will evict
     new_hashes: list[int] = field(default_factory=list)  # dedupe hashes of the stored traj_ids
 
-    @property
+    @cached_property
     def accepted(self) -> int:
         return sum(g.size for g in self.groups)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return sum(g.nbytes for g in self.groups)
 

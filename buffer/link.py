@@ -36,7 +36,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from buffer.same_host import SameHostPeer, host_id
-from buffer.sockets import client_socket
+from buffer.sockets import client_socket, recv_frames, send_frames
 from sluice.rpc import RpcError, RpcTimeout
 from sluice.wire import codec
 from sluice.wire.messages import PROTO_VERSION, ErrorReply, HelloReply, HelloRequest
@@ -44,6 +44,7 @@ from sluice.wire.messages import PROTO_VERSION, ErrorReply, HelloReply, HelloReq
 log = logging.getLogger(__name__)
 
 MONITOR_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # (plain ints: flag enums cost microseconds)
 RECONNECT_GRACE_S = 0.25
 MAX_TOKEN_REFUSALS = 3
 
@@ -155,7 +156,9 @@ class ShardLink:
         self.retry_at = 0.0
 
     def pump_events(self) -> None:
-        while True:
+        # (EVENTS first: a NOBLOCK receive that finds nothing raises, which costs ~15 us, and
+        # this runs for every request)
+        while self.monitor.get(_EVENTS) & _POLLIN:
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -250,7 +253,7 @@ class ShardLink:
         frames = [b"", *codec.encode(call.header, call.payload)]
         for attempt in range(2):
             try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                send_frames(self.sock, frames, nonblocking=True)
                 return True
             except zmq.Again:
                 # The handshake event can precede the pipe's attachment by a moment.
@@ -260,9 +263,8 @@ class ShardLink:
 
     def on_readable(self) -> None:
         while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = recv_frames(self.sock)
+            if frames is None:
                 return
             if frames and len(frames[0]) == 0:
                 frames = frames[1:]

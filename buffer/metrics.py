@@ -31,6 +31,8 @@ GAUGES = {
     "log_recycled": "Log segments written into a reused (retired) segment file (total)",
     "same_host": "1 if this shard shares its segment files with clients on its host",
     "region_puts": "PUTs whose payload a same-host producer wrote into the segments (total)",
+    "region_bytes": "Payload bytes same-host producers wrote into the segments themselves (total)",
+    "compacted_bytes": "Bytes written by compactions (snapshot segments) (total)",
     "region_copies": "Same-host PUTs copied because their segment had been closed meanwhile (total)",
     "refs_served": "Trajectories delivered by reference to same-host consumers (total)",
     "reservations": "Segment space reserved by same-host producers, not yet PUT",

@@ -285,10 +285,12 @@ class SegmentLog(ExperienceLog):
             "log_written_bytes": 0,
             "fsyncs": 0,
             "compactions": 0,
+            "compacted_bytes": 0,
             "compaction_errors": 0,
             "log_write_errors": 0,
             "log_recycled": 0,
             "region_puts": 0,
+            "region_bytes": 0,
             "region_copies": 0,
             "reservations_expired": 0,
         }
@@ -421,6 +423,7 @@ class SegmentLog(ExperienceLog):
             self._roll()  # start the region in a fresh segment rather than overfill this one
         head, data_at = encode_region(nbytes, self.active_bytes, seed=self.active)
         self._write(head, data_at + nbytes - self.active_bytes)
+        self.counters["region_bytes"] += nbytes
         res = Reservation(
             region=secrets.randbits(62) + 1,
             owner=owner,
@@ -505,18 +508,19 @@ class SegmentLog(ExperienceLog):
         return segment, payload_at
 
     def _write(self, buffers, length: int) -> None:
-        """Write at the end of the active segment and count `length` bytes as taken. A failed
-        write leaves a partial record past the end that the next write overwrites (and
-        recovery would read as a torn tail): no truncation, mapped files stay whole."""
+        """Write at the end of the active segment and count `length` bytes as taken (a region
+        takes more than its header). A failed write leaves a partial record past the end that
+        the next write overwrites (and recovery would read as a torn tail): no truncation,
+        mapped files stay whole."""
         if isinstance(buffers, bytes):
             buffers = [buffers]
         try:
-            write_all(self.fd, buffers, self.active_bytes)
+            written = write_all(self.fd, buffers, self.active_bytes)
         except OSError as e:
             self.counters["log_write_errors"] += 1
             raise LogWriteError(f"log {self.dir}: {e}") from e
         self.active_bytes += length
-        self.counters["log_written_bytes"] += length
+        self.counters["log_written_bytes"] += written
         self.dirty = True
 
     # -- durability ----------------------------------------------------------------------------
@@ -721,6 +725,7 @@ class SegmentLog(ExperienceLog):
         self.segments = sorted([*self.segments, replaces + 1])
         self.segment_bytes[replaces + 1] = written
         self.counters["compactions"] += 1
+        self.counters["compacted_bytes"] += written
         self._retire_ready(time.monotonic())
 
     def wait_for_compaction(self) -> None:

@@ -49,7 +49,7 @@ from buffer.replay_store import ReplayStore
 from buffer.same_host import host_id, make_arena, write_token
 from buffer.segment_log import LogWriteError, NoSuchRegion, RecoveredState, Snapshot, build_log
 from buffer.segment_maps import SegmentGone
-from buffer.sockets import shard_socket
+from buffer.sockets import recv_frames, send_frames, shard_socket
 from buffer.store import ShardStore, build_store
 from sluice.config.buffer import BufferConfig
 from sluice.rpc import split_envelope
@@ -152,9 +152,8 @@ class ShardServer:
             while not stop.is_set():
                 if poller.poll(self._poll_timeout_ms()):
                     for _ in range(DRAIN_BATCH):
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
+                        frames = recv_frames(self.sock)
+                        if frames is None:
                             break
                         self._on_message(frames)
                     self._flush()
@@ -206,7 +205,7 @@ class ShardServer:
         self.log.commit()
         outbox, self._outbox = self._outbox, []
         for frames in outbox:
-            self.sock.send_multipart(frames, copy=False)
+            send_frames(self.sock, frames)
 
     # -- dispatch ------------------------------------------------------------------------------
 

@@ -27,12 +27,16 @@ def test_buffer_benchmark_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Buffer throughput" in proc.stdout and "Shard memory at capacity" in proc.stdout
     data = json.loads(out.read_text())
-    cases = {(c["system"], c["shards"], c["size"]) for c in data["cases"]}
+    cases = {(c["system"], c["transport"], c["shards"], c["size"]) for c in data["cases"]}
     for size in (1024, 256 * 1024):
-        assert {("raw_zmq", 0, size), ("raw_zmq_relay", 0, size), ("ray_queue", 0, size)} <= cases
-        assert {("sluice", 1, size), ("sluice", 4, size)} <= cases
+        assert {("raw_zmq", "", 0, size), ("raw_zmq_relay", "", 0, size), ("ray_queue", "", 0, size)} <= cases
+        for transport in ("zmq", "same-host"):
+            assert {("sluice", transport, 1, size), ("sluice", transport, 4, size)} <= cases
+    for c in data["cases"]:  # each transport carried what it says
+        if c["system"] == "sluice" and c["shards"] == 1:
+            assert c["shared_fraction"] == (1.0 if c["transport"] == "same-host" else 0.0), c
     assert all(c["mb_per_s"] > 0 and c["trajs_per_s"] > 0 for c in data["cases"])
     assert all(c["cpu_s"] > 0 for c in data["cases"] if c["system"] == "sluice")
-    memory = data["memory"][0]
-    assert memory["held_bytes"] == memory["capacity"] * memory["size"]  # filled to capacity
-    assert memory["rss_full"] > memory["rss_empty"]
+    for memory in data["memory"]:
+        assert memory["held_bytes"] == memory["capacity"] * memory["size"]  # filled to capacity
+        assert memory["rss_full"] > memory["rss_empty"]
