@@ -32,7 +32,7 @@ from buffer.log_records import REGION_ALIGN, array_sizes, region_layout, write_a
 from buffer.segment_maps import SegmentGone, SegmentMaps
 from sluice.trajectory import Trajectory
 from sluice.wire import codec
-from sluice.wire.messages import HelloReply, TrajectoryMeta, TrajRef
+from sluice.wire.messages import HelloReply, Region, TrajectoryMeta, TrajRef
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +109,46 @@ def _alive(pid: int) -> bool:
 # -- client side --------------------------------------------------------------------------------
 
 
+class RegionPayload:
+    """The arrays of one PUT laid out as a region (region_layout: each trajectory at a multiple
+    of 64, its arrays back to back, zeros between): the buffers to write and their checksum."""
+
+    def __init__(self, trajs: Sequence[tuple[TrajectoryMeta, list]]) -> None:
+        starts, self.nbytes = region_layout([sum(array_sizes(meta)) for meta, _ in trajs])
+        self.buffers: list = []
+        end = 0
+        for start, (_, frames) in zip(starts, trajs):
+            if start > end:
+                self.buffers.append(memoryview(_ZEROS)[: start - end])
+            self.buffers.extend(frames)
+            end = start + sum(codec.frame_bytes(f).nbytes for f in frames)
+        self._checksum: int | None = None
+
+    @property
+    def checksum(self) -> int:
+        """xxh3-64 (seed 0) of the region's bytes (computed once)."""
+        if self._checksum is None:
+            digest = xxhash.xxh3_64()
+            for b in self.buffers:
+                digest.update(b)
+            self._checksum = digest.intdigest()
+        return self._checksum
+
+
 class SameHostPeer:
     """What a client uses to share memory with one shard (see the module docstring)."""
 
-    def __init__(self, shared_dir: Path, token: str, min_put_bytes: int = 0) -> None:
+    def __init__(
+        self, shared_dir: Path, token: str, min_put_bytes: int = 0, reserve_timeout_s: float = 60.0
+    ) -> None:
         self.dir = shared_dir
         self.token = token
         self.min_put_bytes = min_put_bytes  # the shard's advice: smaller PUTs carry frames
+        self.reserve_timeout_s = reserve_timeout_s
         self.maps = SegmentMaps(shared_dir, keep=8)
         self._fds: OrderedDict[int, int] = OrderedDict()
+        self.spare: Region | None = None  # reserved for our next PUT (asked with the last one)
+        self.spare_until = 0.0
 
     @classmethod
     def open(cls, reply: HelloReply) -> SameHostPeer | None:
@@ -131,27 +162,29 @@ class SameHostPeer:
         except OSError as e:
             log.info("shard's shared directory %s not readable here (%s): using ZeroMQ", shared_dir, e)
             return None
-        return cls(shared_dir, token, reply.min_put_bytes) if token else None
+        if not token:
+            return None
+        return cls(shared_dir, token, reply.min_put_bytes, reply.reserve_timeout_ms / 1000.0)
 
     # -- producer ------------------------------------------------------------------------------
 
-    def write_region(self, segment: int, offset: int, trajs: Sequence[tuple[TrajectoryMeta, list]]) -> int:
-        """Write the trajectories' arrays into a reserved region (laid out by region_layout),
-        with zeroed gaps. Returns the xxh3-64 (seed 0) of the region. Raises OSError."""
-        sizes = [sum(array_sizes(meta)) for meta, _ in trajs]
-        starts, _ = region_layout(sizes)
-        buffers: list = []
-        end = 0
-        for start, (_, frames) in zip(starts, trajs):
-            if start > end:
-                buffers.append(memoryview(_ZEROS)[: start - end])
-            buffers.extend(frames)
-            end = start + sum(codec.frame_bytes(f).nbytes for f in frames)
-        digest = xxhash.xxh3_64()
-        for b in buffers:
-            digest.update(b)
-        write_all(self._fd(segment), buffers, offset)
-        return digest.intdigest()
+    def spare_for(self, nbytes: int, now: float) -> tuple[Region | None, int]:
+        """(the spare region, if it can take `nbytes` now, else None; a spare region to
+        release, else 0). Either way the spare is ours no more."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return None, 0
+        if spare.nbytes >= nbytes and now < self.spare_until:
+            return spare, 0
+        return None, spare.region
+
+    def keep_spare(self, region: Region, now: float) -> None:
+        """A region the shard reserved for our next PUT; used only well within its timeout."""
+        self.spare, self.spare_until = region, now + self.reserve_timeout_s / 2
+
+    def write(self, segment: int, offset: int, payload: RegionPayload) -> None:
+        """Write a PUT's arrays into its region. Raises OSError."""
+        write_all(self._fd(segment), payload.buffers, offset)
 
     def _fd(self, segment: int) -> int:
         fd = self._fds.get(segment)

@@ -165,7 +165,7 @@ class ExperienceLog(ABC):
     def region_bytes(self, res: Reservation) -> memoryview:
         raise LogWriteError("this shard keeps no segment files")
 
-    def append_put_region(self, prepared: PreparedPut, res: Reservation, checksum: int) -> None:
+    def append_put_region(self, prepared: PreparedPut, res: Reservation, used: int, checksum: int) -> None:
         raise LogWriteError("this shard keeps no segment files")
 
     @property
@@ -450,9 +450,10 @@ class SegmentLog(ExperienceLog):
         """What the producer wrote (SegmentGone if the file does not even reach its end)."""
         return self.maps.view(res.segment, res.offset, res.nbytes)
 
-    def append_put_region(self, prepared: PreparedPut, res: Reservation, checksum: int) -> None:
-        """Log a PUT whose payload a same-host producer wrote into `res` (checked against
-        `checksum` by the caller); its trajectories' frames are views of the region."""
+    def append_put_region(self, prepared: PreparedPut, res: Reservation, used: int, checksum: int) -> None:
+        """Log a PUT whose payload a same-host producer wrote into the first `used` bytes of
+        `res` (checked against `checksum` by the caller); its trajectories' frames are views of
+        the region."""
         self.counters["region_puts"] += 1
         if res.segment != self.active:
             self.counters["region_copies"] += 1
@@ -463,7 +464,7 @@ class SegmentLog(ExperienceLog):
         record = PutRecord(
             groups=[LoggedGroup(seq=g.seq, trajs=g.metas) for g in prepared.groups],
             evicted=list(prepared.evicted),
-            region=[res.offset, res.nbytes, checksum],
+            region=[res.offset, used, checksum],
             traj_at=[t.loc[1] for g in prepared.groups for t in g.trajs],
         )
         self._append(record)

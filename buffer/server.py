@@ -72,6 +72,7 @@ from sluice.wire.messages import (
     PriorityRequest,
     PutReply,
     PutRequest,
+    Region,
     ReserveReply,
     ReserveRequest,
     SampledItem,
@@ -288,6 +289,7 @@ class ShardServer:
             shared_dir=str(shared) if shared is not None else "",
             token_file="shard.token" if shared is not None else "",
             min_put_bytes=self.cfg.same_host_min_put_bytes,
+            reserve_timeout_ms=int(self.cfg.reserve_timeout_s * 1000),
         )
         self._reply(envelope, reply)
 
@@ -298,21 +300,22 @@ class ShardServer:
                 "token does not match this shard's (it restarted, or offers no shared memory): "
                 "send HELLO again or PUT the payload as frames",
             )
+        if req.release:
+            try:  # never written by its owner: no need to taint its segment
+                self.log.claim(req.release, envelope[0])
+            except NoSuchRegion:
+                pass
+            if req.nbytes == 0:  # only that
+                self._reply(envelope, ReserveReply(proto=PROTO_VERSION, id=req.id))
+                return
         if not 0 < req.nbytes <= min(self.cfg.max_message_bytes, self.cfg.capacity_bytes):
             raise codec.ProtocolError(
                 "TOO_LARGE" if req.nbytes > 0 else "BAD_HEADER",
                 f"nbytes={req.nbytes} must be in [1, min(max_message_bytes, capacity_bytes)]",
             )
-        held = self.store.held_bytes if isinstance(self.store, FifoStore) else 0
-        if held + self.log.reserved_bytes + req.nbytes > self.cfg.capacity_bytes:
-            self._error(
-                envelope,
-                req.id,
-                "FULL",
-                f"{held} bytes held + {self.log.reserved_bytes} reserved + {req.nbytes} "
-                f"> capacity_bytes {self.cfg.capacity_bytes}",
-                retry_after_ms=self.cfg.retry_after_ms,
-            )
+        full = self._reserve_refusal(req.nbytes)
+        if full:
+            self._error(envelope, req.id, "FULL", full, retry_after_ms=self.cfg.retry_after_ms)
             return
         res = self.log.reserve(req.nbytes, envelope[0], time.monotonic())
         self._reply(
@@ -322,9 +325,34 @@ class ShardServer:
             ),
         )
 
+    def _reserve_refusal(self, nbytes: int) -> str:
+        """Why a reservation of `nbytes` must wait (fifo: it would pass capacity_bytes with what
+        is held and reserved; replay: with what is reserved), or "" if it may go ahead."""
+        held = self.store.held_bytes if isinstance(self.store, FifoStore) else 0
+        if held + self.log.reserved_bytes + nbytes <= self.cfg.capacity_bytes:
+            return ""
+        return (
+            f"{held} bytes held + {self.log.reserved_bytes} reserved + {nbytes} "
+            f"> capacity_bytes {self.cfg.capacity_bytes}"
+        )
+
+    def _reserve_next(self, envelope: Envelope, req: PutRequest) -> Region | None:
+        """The space a same-host PUT asked for its producer's next PUT, if it may have it now
+        (otherwise its next PUT simply sends RESERVE)."""
+        nbytes = req.reserve_next
+        if nbytes <= 0 or nbytes > min(self.cfg.max_message_bytes, self.cfg.capacity_bytes):
+            return None
+        if self._reserve_refusal(nbytes):
+            return None
+        try:
+            res = self.log.reserve(nbytes, envelope[0], time.monotonic())
+        except LogWriteError:
+            return None
+        return Region(region=res.region, segment=res.segment, offset=res.offset, nbytes=res.nbytes)
+
     def _region_payload(self, envelope: Envelope, req: PutRequest, payload) -> tuple:
         """The reserved region a same-host PUT names, checked: (reservation, per-trajectory
-        frames as views of it, the trajectories' places)."""
+        frames as views of it, the trajectories' places, the bytes of it used)."""
         if payload:
             raise codec.ProtocolError(
                 "BAD_PAYLOAD", f"a PUT naming a region takes no payload frames, got {len(payload)}"
@@ -340,13 +368,13 @@ class ShardServer:
             codec.check_specs(traj.arrays, f"trajs[{i}]")
             sizes.append(array_sizes(traj))
         starts, total = region_layout([sum(s) for s in sizes])
-        if total != res.nbytes:
+        if total > res.nbytes:
             raise codec.ProtocolError(
                 "BAD_PAYLOAD",
                 f"the trajectories need a region of {total} bytes, region {req.region} has {res.nbytes}",
             )
         try:
-            data = self.log.region_bytes(res)
+            data = self.log.region_bytes(res)[:total]
         except SegmentGone as e:
             raise codec.ProtocolError("BAD_PAYLOAD", f"region {req.region} was not written: {e}") from None
         if xxhash.xxh3_64_intdigest(data) != req.region_checksum:
@@ -361,14 +389,14 @@ class ShardServer:
                 frames.append(data[at : at + n])
                 at += n
             per_traj.append(frames)
-        return res, per_traj, [(res.segment, res.offset + start) for start in starts]
+        return res, per_traj, [(res.segment, res.offset + start) for start in starts], total
 
     # -- writes --------------------------------------------------------------------------------
 
     def _on_put(self, envelope: Envelope, req: PutRequest, payload, now: float) -> None:
         res = locs = None
         if req.region is not None:  # (claimed first: whatever happens next, it is used up)
-            res, per_traj, locs = self._region_payload(envelope, req, payload)
+            res, per_traj, locs, used = self._region_payload(envelope, req, payload)
         if len(req.trajs) > self.cfg.max_batch:
             raise codec.ProtocolError(
                 "TOO_LARGE", f"trajs: {len(req.trajs)} trajectories > max_batch {self.cfg.max_batch}"
@@ -386,13 +414,15 @@ class ShardServer:
             self._error(envelope, req.id, "FULL", str(e), retry_after_ms=self.cfg.retry_after_ms)
             return
         if prepared.groups and res is not None:
-            self.log.append_put_region(prepared, res, req.region_checksum)  # LogWriteError: UNAVAILABLE
+            self.log.append_put_region(prepared, res, used, req.region_checksum)  # LogWriteError: UNAVAILABLE
         elif prepared.groups:
             self.log.append_put(prepared)  # LogWriteError: nothing stored, UNAVAILABLE
         self.store.commit_put(prepared)
         reply = PutReply(
             proto=PROTO_VERSION, id=req.id, accepted=prepared.accepted, duplicates=prepared.duplicates
         )
+        if res is not None:
+            reply.next_region = self._reserve_next(envelope, req)
         self._reply(envelope, reply)
         if prepared.groups:
             self._serve_parked(now)

@@ -20,6 +20,7 @@ from buffer import same_host
 from buffer.client import BufferClient, BufferError
 from buffer.link import Call, wait_all
 from buffer.log_records import REGION_ALIGN, region_layout
+from buffer.same_host import RegionPayload
 from buffer.segment_log import SegmentLog, Snapshot
 from buffer.view_pins import ViewPins
 from sluice.config.buffer import BufferConfig
@@ -115,7 +116,29 @@ def test_delivery_through_shared_memory_is_bit_identical(shard_factory, log_dir)
         assert consumer.ack(batch) == 18
         stats = [r.stats for r in consumer.stats()]
         assert sum(s["region_puts"] for s in stats) >= 2 and sum(s["refs_served"] for s in stats) == 18
-        assert all(s["reservations"] == 0 and s["held"] == 0 for s in stats)
+        assert all(s["reservations"] == 1 and s["held"] == 0 for s in stats)  # each: the next PUT's
+        producer.close()  # gives those back
+        assert all(r.stats["reservations"] == 0 for r in consumer.stats())
+        assert all(r.stats["reservations_expired"] == 0 for r in consumer.stats())
+
+
+def test_a_producer_needs_one_reservation_round_trip_not_one_per_put(shard_factory, log_dir):
+    """Each same-host PUT asks for the region of the next one (`reserve_next`): a steady
+    producer sends RESERVE once, then PUTs straight into the space its shard set aside."""
+    shard = shard_factory(log_dir=log_dir)
+    sent = [big_group(f"g{i}", nbytes=1 << 16)[0] for i in range(10)]
+    with BufferClient([shard.endpoint], timeout_s=10) as client:
+        assert client.ping()
+        for t in sent:
+            assert client.put([t]).accepted == 1
+        assert client.reserve_requests == 1 and client.shared_put_bytes == 10 << 16
+        sent.append(big_group("larger", nbytes=1 << 17)[0])
+        client.put(sent[-1:])  # does not fit the spare: RESERVE
+        assert client.reserve_requests == 2
+        assert client.stats()[0].stats["reservations"] == 1  # (the smaller spare was released)
+        batch = client.get(100)
+        assert_identical(batch.trajs, sent)
+        client.ack(batch)
 
 
 def test_mixed_transports_interoperate(shard_factory, log_dir):
@@ -274,9 +297,9 @@ def test_a_put_whose_region_does_not_hold_what_it_claims_stores_nothing(shard_fa
         nbytes = region_layout([traj.nbytes])[1]
         res = _reserve(client, nbytes)
         assert res.offset % REGION_ALIGN == 0
-        intended = link.peer.write_region(res.segment, res.offset, [(meta, frames)])
+        intended = RegionPayload([(meta, frames)]).checksum
         garbage = np.zeros(traj.nbytes, dtype=np.uint8)
-        link.peer.write_region(res.segment, res.offset, [(meta, [memoryview(garbage)])])
+        link.peer.write(res.segment, res.offset, RegionPayload([(meta, [memoryview(garbage)])]))
         call = Call(
             PutRequest(
                 proto=PROTO_VERSION,

@@ -51,6 +51,15 @@ class TrajRef(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_field
     offset: int  # W: shard. R: client
 
 
+class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Space of a segment file reserved for one same-host PUT of one connection."""
+
+    region: int  # W: shard, id the PUT names. R: producer
+    segment: int  # W: shard. R: producer (writes <shared_dir>/<segment:012d>.seg)
+    offset: int  # W: shard, file offset of the first byte, a multiple of 64. R: producer
+    nbytes: int  # W: shard, bytes reserved. R: producer (a PUT may use fewer)
+
+
 # ---------------------------------------------------------------------------------------------
 # Requests (client -> buffer shard). `id` is chosen by the client and echoed in the reply.
 
@@ -67,7 +76,8 @@ class PutRequest(_Request, tag="PUT"):
     # Same-host producers: the payload is not in frames but in a region reserved with RESERVE
     # and written by the producer (layout: docs/protocol.md). None: payload frames follow.
     region: int | None = None  # W: producer, ReserveReply.region. R: shard
-    region_checksum: int = 0  # W: producer, xxh3-64 (seed 0) of the region's bytes. R: shard checks
+    region_checksum: int = 0  # W: producer, xxh3-64 (seed 0) of the bytes it used. R: shard checks
+    reserve_next: int = 0  # W: producer (with a region), bytes to reserve for its next PUT. R: shard
 
 
 class GetRequest(_Request, tag="GET"):
@@ -131,6 +141,7 @@ class ReserveRequest(_Request, tag="RESERVE"):
 
     nbytes: int  # W: producer, the region's size (its layout: docs/protocol.md). R: shard
     token: str  # W: producer, read from the shard's token file. R: shard (must match its own)
+    release: int = 0  # W: producer, a region of its own it will not use (dropped; nbytes 0: only that)
 
 
 class PingRequest(_Request, tag="PING"):
@@ -165,6 +176,7 @@ class _Reply(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
 class PutReply(_Reply, tag="PUT"):
     accepted: int = 0  # new trajectories stored
     duplicates: int = 0  # trajectories whose traj_id was already seen (dropped)
+    next_region: Region | None = None  # reserved as `reserve_next` asked (None: not reserved)
 
 
 class GetReply(_Reply, tag="GET"):
@@ -224,6 +236,7 @@ class HelloReply(_Reply, tag="HELLO"):
     shared_dir: str = ""  # absolute path of the shard's segment files; "" offers ZeroMQ only
     token_file: str = ""  # file in shared_dir holding the token; readable only by the shard's user
     min_put_bytes: int = 0  # PUT messages with less payload should carry frames (not worth a RESERVE)
+    reserve_timeout_ms: int = 0  # a reservation unused this long is dropped
 
 
 class ReserveReply(_Reply, tag="RESERVE"):
