@@ -8,13 +8,15 @@ from buffer.metrics import ShardMetrics
 from buffer.server import ShardServer
 from sluice.config.run import RunConfig
 from sluice.metrics import PrometheusEndpoint, record_endpoint
+from sluice.security import secure_context
 
 
 def run_buffer(cfg: RunConfig, shard: int, stop: threading.Event) -> int:
     if not 0 <= shard < cfg.buffer.shards:
         raise ValueError(f"--shard {shard}: buffer.shards is {cfg.buffer.shards}")
     prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("buffer", shard))
-    server = ShardServer(cfg.buffer, shard, metrics=ShardMetrics(prom.registry, shard))
+    metrics = ShardMetrics(prom.registry, shard)
+    server = ShardServer(cfg.buffer, shard, metrics=metrics, ctx=secure_context(cfg.security, "server"))
     port = prom.start()
     if cfg.run.dir is not None:
         record_endpoint(cfg.run_dir, f"buffer-{shard}", metrics_port=port, endpoint=server.endpoint)

@@ -26,6 +26,7 @@ from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.modeling import materialize_model_dir
+from sluice.security import secure_context
 from sluice.trajectory import Trajectory
 from weight_sync.receiver import WeightReceiver
 
@@ -60,11 +61,13 @@ class RolloutService:
         self.receiver = WeightReceiver(
             cfg.weight_sync, rank=index + 1, world_size=rc.services + 1, device=torch.device("cpu")
         )
+        zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
         self.buffer = BufferClient(
             cfg.buffer.all_endpoints(),
             should_abort=lambda: self.stop.is_set() or self.receiver.finished.is_set(),
+            ctx=zmq_ctx,
         )
-        self.control = ControlClient(cfg.control.endpoint)
+        self.control = ControlClient(cfg.control.endpoint, ctx=zmq_ctx)
         self._last_heartbeat = 0.0
         self._totals = {"samples": 0.0, "pause_s": 0.0, "generate_s": 0.0}
         self.metrics_log = JsonlLog(cfg.run_dir / "metrics" / f"{self.service_id}.jsonl")
