@@ -154,3 +154,21 @@ def test_slurm_script_is_valid_bash_running_each_role():
     roles = re.findall(r'"\$SLUICE" (\w+) "\$CONFIG"', text)
     assert sorted(roles) == ["buffer", "config", "learner", "rollout"]
     assert "SLURM_PROCID" in text  # rollouts take --index from srun's task rank
+
+
+def test_readme_run_commands_parse_with_the_cli():
+    """The commands of the README's three ways to run are valid command lines."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    text = "\n".join(blocks).replace("\\\n", " ")
+    lines = [line.split("#")[0].strip() for line in text.splitlines()]
+    sluice_lines = [line.split(".venv/bin/sluice ", 1)[1] for line in lines if ".venv/bin/sluice " in line]
+    assert {line.split()[0] for line in sluice_lines} >= {"run", "ray", "status"}
+    for line in sluice_lines:
+        args = shlex.split(line.rstrip("'"))
+        command, params = parse_cli(args)
+        if command in ("run", "ray"):
+            load_config(ROOT / params["config"], params["overrides"])
+    compose_lines = [line for line in lines if line.startswith("docker compose")]
+    assert compose_lines and all("-f deploy/docker-compose.yml" in line for line in compose_lines)
+    assert "status" in compose_services()

@@ -90,18 +90,24 @@ class RoleActor:
         return free_ports(n)
 
     def run(self, config: dict[str, Any]) -> int:
+        """The role's main function; a failure is logged here (role log) and re-raised to the
+        driver."""
         cfg = config_from_dict(config)
-        if self.role == "buffer":
-            from buffer.service import run_buffer
+        try:
+            if self.role == "buffer":
+                from buffer.service import run_buffer
 
-            return run_buffer(cfg, self.index, self.stop)
-        if self.role == "learner":
-            from learner.loop import run_learner
+                return run_buffer(cfg, self.index, self.stop)
+            if self.role == "learner":
+                from learner.loop import run_learner
 
-            return run_learner(cfg, self.stop)
-        from rollout_svc.service import run_rollout
+                return run_learner(cfg, self.stop)
+            from rollout_svc.service import run_rollout
 
-        return run_rollout(cfg, self.index, self.stop)
+            return run_rollout(cfg, self.index, self.stop)
+        except Exception:
+            logging.getLogger(self.name).exception("%s failed", self.name)
+            raise
 
     def halt(self) -> None:
         self.stop.set()
