@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sluice.modeling.tiny import DTYPES
+DTYPES = ("float32", "bfloat16")
 
 
 class ExportError(ValueError):
@@ -34,15 +34,15 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def export_checkpoint(
     src: str | Path, out: str | Path, dtype: str | None = None, overwrite: bool = False
 ) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     ckpt = resolve_checkpoint(src)
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{str(out)!r} exists and is not empty (pass --overwrite to replace it)")
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"dtype {dtype!r}: expected one of {sorted(DTYPES)}")
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=DTYPES[dtype] if dtype else "auto")
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # after the checks: slow to import
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype or "auto")
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
