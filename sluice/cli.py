@@ -172,8 +172,14 @@ def status(
         else:
             Console(width=200).print(render(snap, title))
         raise typer.Exit(EXIT_OK if snap.learner_reachable else EXIT_FAILED)
+    console = Console()
     try:
-        with Live(render(collect(cfg, timeout), title), refresh_per_second=1, screen=False) as live:
+        if not console.is_terminal:
+            console = Console(width=200)  # a log or a pipe: one table per refresh, appended
+            while True:
+                console.print(render(collect(cfg, timeout), f"{title} at {time.strftime('%H:%M:%S')}"))
+                time.sleep(interval)
+        with Live(render(collect(cfg, timeout), title), console=console, refresh_per_second=1) as live:
             while True:
                 time.sleep(interval)
                 live.update(render(collect(cfg, timeout), title))
