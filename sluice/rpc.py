@@ -64,13 +64,15 @@ class RpcConnection:
         """Send and wait for the matching reply. Returns (reply, payload frames)."""
         deadline = time.monotonic() + timeout_s
         # A DEALER whose connection was refused (e.g. a CURVE handshake failed) has no pipe, and
-        # a plain send would block forever: wait for room to send within the same timeout.
-        if not self.sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+        # a plain send would block forever: the send gets the request's timeout too.
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        try:
+            self.sock.send_multipart([b"", *codec.encode(header, payload)], copy=False)
+        except zmq.Again:
             raise RpcTimeout(
                 f"{self.name} at {self.endpoint}: {type(header).__name__} could not be sent within "
                 f"{timeout_s:.1f}s (no connection)"
-            )
-        self.sock.send_multipart([b"", *codec.encode(header, payload)], copy=False)
+            ) from None
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self.sock.poll(remaining_ms, zmq.POLLIN):
