@@ -24,6 +24,7 @@ from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer
 from sluice.modeling import load_policy, materialize_model_dir
+from sluice.security import secure_context
 from sluice.trajectory import Trajectory
 from weight_sync.broadcaster import WeightBroadcaster
 
@@ -64,7 +65,7 @@ class Learner:
             self.model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay
         )
         self.version = 0
-        self.buffer = BufferClient(cfg.buffer.all_endpoints())
+        self.buffer = BufferClient(cfg.buffer.all_endpoints(), ctx=secure_context(cfg.security, "client"))
         self.broadcaster = WeightBroadcaster(
             cfg.weight_sync, cfg.rollout.services, self.device, cfg.model.dtype
         )
@@ -73,6 +74,7 @@ class Learner:
             cfg.control.bind_endpoint,
             AdmissionPolicy(lc.batch_size, lc.max_staleness),
             service_timeout_s=cfg.control.service_timeout_s,
+            ctx=secure_context(cfg.security, "server"),
         )
         self.totals = {"samples": 0, "tokens": 0, "dropped_stale": 0, "violations": 0}
 

@@ -5,8 +5,10 @@ from sluice.config.control import ControlConfig
 from sluice.config.learner import LearnerConfig, LossConfig
 from sluice.config.loader import ConfigError, dump_config, load_config
 from sluice.config.model import ModelConfig, TinyModelInit
+from sluice.config.ray import RayConfig, RoleResources
 from sluice.config.rollout import RolloutConfig, TaskConfig
 from sluice.config.run import MetricsConfig, RunConfig, RunSection
+from sluice.config.security import SecurityConfig
 from sluice.config.weight_sync import WeightSyncConfig
 
 __all__ = [
@@ -17,9 +19,12 @@ __all__ = [
     "LossConfig",
     "MetricsConfig",
     "ModelConfig",
+    "RayConfig",
+    "RoleResources",
     "RolloutConfig",
     "RunConfig",
     "RunSection",
+    "SecurityConfig",
     "TaskConfig",
     "TinyModelInit",
     "WeightSyncConfig",

@@ -11,7 +11,9 @@ from sluice.config.buffer import BufferConfig
 from sluice.config.control import ControlConfig
 from sluice.config.learner import LearnerConfig
 from sluice.config.model import ModelConfig
+from sluice.config.ray import RayConfig
 from sluice.config.rollout import RolloutConfig, TaskConfig
+from sluice.config.security import SecurityConfig
 from sluice.config.weight_sync import WeightSyncConfig
 
 
@@ -49,6 +51,8 @@ class RunConfig(Section):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
+    security: SecurityConfig = SecurityConfig()
+    ray: RayConfig = RayConfig()
 
     @property
     def run_dir(self) -> Path:

@@ -23,12 +23,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sluice.config.loader import dump_config
+from sluice.config.loader import ENV_PREFIX, dump_config
 from sluice.config.run import RunConfig
 from sluice.launch.role import EXIT_FAILED, EXIT_OK
 from sluice.metrics import JsonlLog
 from sluice.modeling import materialize_model_dir
 from sluice.net import free_port
+from sluice.plots import write_run_plots
 
 
 @dataclass
@@ -63,13 +64,18 @@ class Tail:
         return records
 
 
-def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill in the run directory and free ports; the result is what every child reads."""
-    cfg = cfg.model_copy(deep=True)
+def resolve_run_dir(cfg: RunConfig) -> None:
+    """run.dir, or runs/<name>-<time>, as an absolute path."""
     if cfg.run.dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.run.dir = str(Path("runs") / f"{cfg.run.name}-{stamp}")
     cfg.run.dir = str(Path(cfg.run.dir).resolve())
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Fill in the run directory and free ports; the result is what every child reads."""
+    cfg = cfg.model_copy(deep=True)
+    resolve_run_dir(cfg)
     b = cfg.buffer
     if not b.endpoints and b.base_port == 0:
         b.endpoints = [f"tcp://{b.host}:{free_port(b.host)}" for _ in range(b.shards)]
@@ -99,7 +105,10 @@ class LocalLauncher:
 
     def _spawn(self, name: str, args: list[str], config_path: Path, exits_with_run: bool) -> None:
         log_path = self.run_dir / "logs" / f"{name}.log"
-        env = {**os.environ, "SLUICE_DIE_WITH_PARENT": "1", "PYTHONUNBUFFERED": "1"}
+        # SLUICE__* overrides are already in the resolved config; applied again they could
+        # undo what the launcher resolved (e.g. a port of 0).
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+        env.update(SLUICE_DIE_WITH_PARENT="1", PYTHONUNBUFFERED="1")
         env.setdefault("OMP_NUM_THREADS", "1")
         with log_path.open("ab") as log_fh:
             proc = subprocess.Popen(
@@ -208,6 +217,9 @@ class LocalLauncher:
         finally:
             self.shutdown()
         learner = self._child("learner")
+        plots = write_run_plots(self.run_dir)
+        if plots:
+            self.console.print(f"plots: {', '.join(p.name for p in plots)} in {plots[0].parent}")
         self.console.print(f"run directory: {self.run_dir} (learner exit {learner.proc.returncode})")
         return code
 
