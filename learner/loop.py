@@ -65,13 +65,14 @@ class Learner:
         )
         self.version = 0
         self.buffer = BufferClient(cfg.buffer.all_endpoints())
-        self.broadcaster = WeightBroadcaster(
-            cfg.weight_sync, cfg.rollout.services, self.device, cfg.model.dtype
-        )
         self.metrics = LearnerMetrics(cfg)
+        self.broadcaster = WeightBroadcaster(
+            cfg.weight_sync, self.device, cfg.model.dtype, registry=self.metrics.prom.registry
+        )
         self.control = ControlServer(
             cfg.control.bind_endpoint, AdmissionPolicy(lc.batch_size, lc.max_staleness)
         )
+        self.control.attach_membership(self.broadcaster.membership)  # JOIN / LEAVE / SYNC_REPORT
         self.totals = {"samples": 0, "tokens": 0, "dropped_stale": 0, "violations": 0}
 
     # -- named steps ---------------------------------------------------------------------------
@@ -132,8 +133,16 @@ class Learner:
         }
 
     def publish_weights(self) -> float:
+        """Broadcast to the current members; late joiners pull this version's snapshot. A
+        receiver that fails costs at most the weight-sync timeouts, never a hang."""
         stats = self.broadcaster.publish(self.version, self.model)
         self.control.set_published(self.version)
+        if stats.retried:
+            log.warning(
+                "weight sync v%d: group rebuilt during the publish (delivered=%s)",
+                stats.version,
+                stats.delivered,
+            )
         return stats.seconds
 
     def checkpoint(self) -> None:
@@ -192,8 +201,8 @@ class Learner:
         self.totals["violations"] += received.violations
 
     def close(self) -> None:
+        self.broadcaster.close()  # first: receivers LEAVE over the control plane
         self.control.close()
-        self.broadcaster.close()
         self.buffer.close()
         self.metrics.close()
 

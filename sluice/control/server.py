@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Protocol
 
 import zmq
 
@@ -21,11 +22,15 @@ from sluice.control.messages import (
     AdmitRequest,
     HeartbeatReply,
     HeartbeatRequest,
+    JoinRequest,
+    LeaveRequest,
     RefundReply,
     RefundRequest,
     ServiceStatus,
     StatusReply,
     StatusRequest,
+    SyncReportRequest,
+    WeightSyncStatus,
     request_decoder,
 )
 from sluice.net import zmq_socket
@@ -34,6 +39,20 @@ from sluice.wire import codec
 from sluice.wire.messages import PROTO_VERSION
 
 log = logging.getLogger(__name__)
+
+MEMBERSHIP_REQUESTS = (JoinRequest, LeaveRequest, SyncReportRequest)
+
+
+class MembershipRegistry(Protocol):
+    """Weight-sync membership, owned by the learner's broadcaster (weight_sync.membership).
+    Called from the server thread; the registry does its own locking."""
+
+    def handle(self, req: JoinRequest | LeaveRequest | SyncReportRequest):
+        """The reply to a membership request (JoinReply, LeaveReply or SyncReportReply with
+        the request's id). ValueError: a bad field (the client gets BAD_HEADER)."""
+
+    def status(self) -> WeightSyncStatus:
+        """Epoch, members and counters for STATUS."""
 
 
 class ControlServer:
@@ -52,6 +71,7 @@ class ControlServer:
         self._published = 0
         self._learner: dict[str, float] = {}
         self._services: dict[str, tuple[str, float, dict[str, float]]] = {}
+        self._membership: MembershipRegistry | None = None
         self._ctx = ctx or zmq.Context.instance()
         self.sock = zmq_socket(self._ctx, zmq.ROUTER)
         self.sock.bind(bind)
@@ -78,6 +98,11 @@ class ControlServer:
         if n:
             with self._lock:
                 self.admission.release(n)
+
+    def attach_membership(self, registry: MembershipRegistry) -> None:
+        """Serve JOIN / LEAVE / SYNC_REPORT with the learner's weight-sync membership."""
+        with self._lock:
+            self._membership = registry
 
     def update_learner(self, stats: dict[str, float]) -> None:
         with self._lock:
@@ -136,6 +161,8 @@ class ControlServer:
         if isinstance(req, HeartbeatRequest):
             self._services[req.service_id] = (req.role, time.monotonic(), dict(req.stats))
             return HeartbeatReply(proto=p, id=req.id, version=self._version)
+        if isinstance(req, MEMBERSHIP_REQUESTS):
+            return self._membership_op(req)
         if isinstance(req, StatusRequest):
             now = time.monotonic()
             services = {
@@ -153,5 +180,13 @@ class ControlServer:
                     "quota": float(adm.quota(self._version)),
                     "refused_asks": float(adm.refused_asks),
                 },
+                weight_sync=None if self._membership is None else self._membership.status(),
             )
         raise codec.ProtocolError("BAD_HEADER", f"unhandled op {type(req).__name__}")
+
+    def _membership_op(self, req):
+        if self._membership is None:
+            raise codec.ProtocolError(
+                "BAD_HEADER", f"{type(req).__name__}: this control server serves no weight-sync membership"
+            )
+        return self._membership.handle(req)
