@@ -14,6 +14,8 @@ receivers write their epoch confirmations.
     ws/ep<e>/commit          EpochCommit: the members of epoch e, in rank order
     ws/ep<e>/abort           the learner abandoned epoch e (a collective failed): members stop
                              waiting on its collectives at once instead of timing out
+    ws/ep<e>/beat/<rank>     a counter a member bumps while it waits in a collective: the
+                             learner abandons the epoch when one stops (crashed or hung)
     ws/ep<e>/pg/...          the process group of epoch e (torch.distributed's own keys)
 
 Announcements older than `KEEP_ANNOUNCEMENTS` are deleted; a receiver that fell that far
@@ -49,6 +51,10 @@ def commit_key(epoch: int) -> str:
 
 def abort_key(epoch: int) -> str:
     return f"ws/ep{epoch}/abort"
+
+
+def beat_key(epoch: int, rank: int) -> str:
+    return f"ws/ep{epoch}/beat/{rank}"
 
 
 def pg_prefix(epoch: int) -> str:

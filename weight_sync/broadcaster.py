@@ -14,8 +14,10 @@ Rules:
 - Every published version is kept as a host snapshot: late joiners pull it, a delta is
   computed against it, and a publish whose collective failed is sent again from it over a
   rebuilt group (the learner writes `ws/ep<e>/abort` first, so receivers stuck in the failed
-  epoch's collectives let go at once). No wait in here is longer than a timeout: a crashed or
-  hung receiver costs at most `publish_timeout_s` plus `ready_timeout_s`, never a hang.
+  epoch's collectives let go at once). No wait in here is longer than a timeout: members bump
+  a heartbeat while they wait in a collective, so a crashed or hung receiver costs about
+  `liveness_timeout_s` plus `ready_timeout_s` (at most `publish_timeout_s` plus
+  `ready_timeout_s` if its heartbeat still moves), never a hang.
 - `close()` announces `shutdown` and waits (briefly) for members to leave.
 """
 
@@ -42,6 +44,7 @@ from weight_sync.announcements import (
     WeightsAnnouncement,
     abort_key,
     ann_key,
+    beat_key,
     commit_key,
     encoder,
     pg_prefix,
@@ -79,6 +82,34 @@ log = logging.getLogger(__name__)
 Producer = Callable[[int, Bucket], tuple[torch.Tensor, list[int]]]
 
 
+class _Liveness:
+    """Polled while the learner waits on a broadcast: reads every member's heartbeat counter
+    (at most twice a second) and says abort when one has not moved for `timeout_s`."""
+
+    def __init__(self, store: dist.TCPStore, group: BroadcastGroup, timeout_s: float) -> None:
+        self.store = store
+        self.keys = {rank: beat_key(group.epoch, rank) for rank in range(1, group.world_size)}
+        self.timeout_s = timeout_s
+        now = time.monotonic()
+        self.seen: dict[int, tuple[int, float]] = {rank: (-1, now) for rank in self.keys}
+        self.checked = 0.0
+        self.silent: list[int] = []
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked < 0.5:
+            return False
+        self.checked = now
+        for rank, key in self.keys.items():
+            beats = self.store.add(key, 0)
+            last, since = self.seen[rank]
+            if beats != last:
+                self.seen[rank] = (beats, now)
+            elif now - since > self.timeout_s:
+                self.silent.append(rank)
+        return bool(self.silent)
+
+
 class WeightBroadcaster:
     def __init__(
         self,
@@ -104,6 +135,7 @@ class WeightBroadcaster:
         self._specs: list[TensorSpec] | None = None
         self._source: tuple[object, ParamSource] | None = None
         self._broken = False  # the current epoch's group failed: form a new one before sending
+        self._abandoned_works: list = []  # of a failed publish, dropped together with its group
         self._force_full = True  # members may lack the delta base (new epoch, a refusal)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -269,6 +301,11 @@ class WeightBroadcaster:
             self._announce(seq, WeightsAnnouncement(group.epoch, version, layout, base_version))
         inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()
         error: CollectiveError | None = None
+        liveness = _Liveness(self.store, group, self.cfg.liveness_timeout_s) if group else None
+
+        def wait_oldest() -> None:
+            wait_work(inflight.popleft()[0], self.cfg.publish_timeout_s, liveness, poll_s=0.25)
+
         for i, bucket in enumerate(layout):
             flat, sums = produce(i, bucket)
             if group is None or error is not None:
@@ -277,14 +314,18 @@ class WeightBroadcaster:
                 self.store.append(sums_key(seq), encode_checksums(sums))  # before the data
                 inflight.append((group.broadcast_async(flat), flat))
                 while len(inflight) >= self.cfg.pipeline_depth:
-                    wait_work(inflight.popleft()[0], self.cfg.publish_timeout_s)
+                    wait_oldest()
             except CollectiveError as e:
                 error = e
         while inflight and error is None:
             try:
-                wait_work(inflight.popleft()[0], self.cfg.publish_timeout_s)
+                wait_oldest()
             except CollectiveError as e:
                 error = e
+        if error is not None:
+            if liveness is not None and liveness.silent:
+                error = CollectiveError(f"{error}: no heartbeat from rank(s) {liveness.silent}")
+            self._abandoned_works.append(list(inflight))  # released with the group, not here
         return error
 
     # -- membership epochs ---------------------------------------------------------------------
@@ -370,7 +411,8 @@ class WeightBroadcaster:
 
     def _drop_group(self) -> None:
         if self.group is not None:
-            self.group.close()
+            self.group.close(pending=self._abandoned_works)
+            self._abandoned_works = []
             self.group = None
 
     def _announce(self, seq: int, announcement: Announcement) -> None:

@@ -75,15 +75,21 @@ class BroadcastGroup:
         except RuntimeError as e:  # gloo raises at enqueue when the group is already broken
             raise CollectiveError(f"epoch {self.epoch}: broadcast could not start: {e}") from e
 
-    def close(self) -> None:
-        """Drop the group. A pending gloo op keeps its worker thread until its own timeout;
-        dropping the last reference does not wait for it."""
+    def close(self, pending: list | None = None) -> None:
+        """Drop the group without waiting for it. A gloo group's destructor waits until its
+        queued ops ran, and an op whose peer is gone only ends at its timeout: so the last
+        reference (and the `pending` works and buffers of an abandoned collective) is released
+        in a short-lived daemon thread, never in the caller."""
+        if self.pg is None:
+            return
         if self.backend in ("nccl", "hccl"):
             try:
                 self.pg.abort()
             except RuntimeError:
                 pass  # already torn down by its watchdog
+        box = [self.pg, pending]
         self.pg = None  # type: ignore[assignment]
+        threading.Thread(target=box.clear, name="weight-sync-drop-group", daemon=True).start()
 
 
 def wait_work(

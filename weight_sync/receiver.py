@@ -46,6 +46,7 @@ from weight_sync.announcements import (
     abort_key,
     ann_key,
     announcement_decoder,
+    beat_key,
     commit_decoder,
     commit_key,
     pg_prefix,
@@ -59,6 +60,7 @@ from weight_sync.transfer_client import TransferError, pull_snapshot
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # how often waits look at stop() and the abort key
+_STORE_POLL_S = 0.005  # how often a wait for a store key asks the store
 
 
 @dataclass
@@ -103,6 +105,7 @@ class WeightReceiver:
         self._current: dict[str, torch.Tensor] = {}
         self._group: BroadcastGroup | None = None
         self._registered = False
+        self._listed = False  # an epoch listed it since it last joined
         self._seq = 0
         self._last_pull = 0.0
         self._store: dist.TCPStore | None = None
@@ -123,6 +126,13 @@ class WeightReceiver:
         with self._lock:
             latest, self._latest = self._latest, None
             return latest
+
+    def held(self) -> ReceivedWeights | None:
+        """The newest verified version this receiver holds (taken or not)."""
+        with self._lock:
+            if self.version < 0:
+                return None
+            return ReceivedWeights(self.version, list(self._current.items()))
 
     def wait_for_weights(self, timeout_s: float) -> ReceivedWeights | None:
         with self._arrived:
@@ -201,6 +211,7 @@ class WeightReceiver:
             return
         self._seq = reply.seq
         self._registered = True
+        self._listed = False
         log.info(
             "weight receiver: %s joined (holds v%d; epoch %d, next announcement %d)",
             self.service_id,
@@ -255,9 +266,10 @@ class WeightReceiver:
 
     def _enter_epoch(self, ann: EpochAnnouncement) -> None:
         if self.service_id not in ann.candidates:
-            if self._group is not None:
+            if self._listed:  # the learner removed it (left out of a commit, or replaced)
                 raise _Rejoin(f"epoch {ann.epoch} does not list {self.service_id}")
             return  # joined after this epoch's candidates were chosen: the next one lists it
+        self._listed = True
         self._drop_group()
         self._store.set(ready_key(ann.epoch, self.service_id), self.incarnation.encode())
         commit = commit_decoder.decode(
@@ -291,9 +303,9 @@ class WeightReceiver:
             ann.epoch,
         )
 
-    def _drop_group(self) -> None:
+    def _drop_group(self, pending: list | None = None) -> None:
         if self._group is not None:
-            self._group.close()
+            self._group.close(pending)
             self._group = None
             self.epoch = 0
 
@@ -322,27 +334,41 @@ class WeightReceiver:
         return self._store.get(key)
 
     def _wait_once(self, key: str) -> bool:
-        try:
-            self._store.wait([key], datetime.timedelta(seconds=_POLL_S))
-            return True
-        except dist.DistStoreError:
-            return False  # "wait timeout"; DistNetworkError (learner gone) propagates
+        """Whether `key` appears within _POLL_S. Polls `check` (a store `wait` that times out
+        logs a C++ warning each time); DistNetworkError (learner gone) propagates. A member
+        bumps its heartbeat on every call."""
+        deadline = time.monotonic() + _POLL_S
+        if self._group is not None:  # idle members beat too: the learner may still be sending
+            self._store.add(beat_key(self._group.epoch, self._group.rank), 1)
+        while not self._store.check([key]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_STORE_POLL_S)
+        return True
 
-    def _abandoned(self, epoch: int) -> Callable[[], bool]:
-        return lambda: self._stop.is_set() or self._store.check([abort_key(epoch)])
+    def _abandoned(self, epoch: int, rank: int) -> Callable[[], bool]:
+        """Polled while waiting in a collective: bump this member's heartbeat (the learner
+        watches it), and give up if the learner abandoned the epoch or we are stopping."""
+
+        def check() -> bool:
+            self._store.add(beat_key(epoch, rank), 1)
+            return self._stop.is_set() or self._store.check([abort_key(epoch)])
+
+        return check
 
     # -- versions ------------------------------------------------------------------------------
 
     def _receive(self, seq: int, ann: WeightsAnnouncement) -> None:
         group = self._group
         flats = [empty_bucket(b, self.device) for b in ann.buckets]
+        works: list = []
         bad: list[str] = []
         try:
-            works = [group.broadcast_async(f) for f in flats]
+            works.extend(group.broadcast_async(f) for f in flats)
             sums: list[int] = []
             first = 0
             for bucket, work, flat in zip(ann.buckets, works, flats):
-                wait_work(work, self.cfg.publish_timeout_s, self._abandoned(ann.epoch), _POLL_S)
+                wait_work(work, self.cfg.publish_timeout_s, self._abandoned(ann.epoch, group.rank), _POLL_S)
                 end = first + len(bucket.slots)
                 if len(sums) < end:  # appended before the bucket's data: present by now
                     sums = decode_checksums(self._store.get(sums_key(seq)))
@@ -351,7 +377,8 @@ class WeightReceiver:
                 bad += [s.name for s, g, e in zip(bucket.slots, got, sums[first:end]) if g != e]
                 first = end
         except CollectiveError as e:
-            self._drop_group()
+            self._drop_group(pending=[works, flats])
+            works, flats = [], []
             self.failures += 1
             log.warning("weight receiver: v%d over epoch %d failed: %s", ann.version, ann.epoch, e)
             self._report(ann.epoch, ann.version, "failed", str(e))
@@ -406,9 +433,9 @@ class WeightReceiver:
         return ""
 
     def _accept(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        self._current = tensors
-        self.version = version
         with self._arrived:
+            self._current = tensors
+            self.version = version
             self._latest = ReceivedWeights(version, list(tensors.items()))
             self._arrived.notify_all()
 

@@ -56,6 +56,10 @@ class WeightSyncConfig(Section):
     """Collective timeout of the broadcast group: a member that does not take part in a
     bucket within this is dropped and the group is rebuilt without it (the learner never
     waits longer for a crashed or hung receiver)."""
+    liveness_timeout_s: float = Field(5.0, gt=0)
+    """A member that stops its heartbeat (bumped while it waits in a collective) for this long
+    during a publish is taken for crashed or hung: the epoch is abandoned at once instead of
+    after publish_timeout_s."""
     ready_timeout_s: float = Field(10.0, gt=0)
     """When the group is rebuilt (a membership epoch), members that do not confirm within
     this are left out (they join again later)."""
