@@ -35,22 +35,21 @@ def model_digest(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> 
 class ProbeProcess:
     """A receiver in its own process; its reported versions are read from stdout."""
 
-    def __init__(self, env: SyncEnv, service_id: str, log_dir: Path) -> None:
+    def __init__(self, cfg: WeightSyncConfig, control_endpoint: str, service_id: str, log_dir: Path) -> None:
         self.service_id = service_id
         self.log_path = log_dir / f"{service_id}.log"
         self._log = self.log_path.open("wb")
-        cfg = env.cfg
         self.proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "weight_sync.probe",
                 f"--master-port={cfg.master_port}",
-                f"--control={env.control_endpoint}",
+                f"--control={control_endpoint}",
                 f"--service-id={service_id}",
                 f"--publish-timeout-s={cfg.publish_timeout_s}",
                 f"--ready-timeout-s={cfg.ready_timeout_s}",
-                "--timeout-s=30",
+                "--timeout-s=60",
             ],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
@@ -117,7 +116,7 @@ class SyncEnv:
         return r
 
     def probe(self, service_id: str, log_dir: Path) -> ProbeProcess:
-        p = ProbeProcess(self, service_id, log_dir)
+        p = ProbeProcess(self.cfg, self.control_endpoint, service_id, log_dir)
         self.probes.append(p)
         return p
 
