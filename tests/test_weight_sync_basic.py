@@ -113,7 +113,8 @@ class CorruptingBroadcaster(WeightBroadcaster):
 
 def test_corrupted_bucket_is_refused_and_old_weights_kept(env_factory):
     model = tiny_model()
-    env = env_factory(small_cfg(bucket_mb=0.002), broadcaster_cls=CorruptingBroadcaster)
+    # delta=True: the receiver keeps the held version (as a delta base), so it can be checked
+    env = env_factory(small_cfg(bucket_mb=0.002, delta=True), broadcaster_cls=CorruptingBroadcaster)
     env.broadcaster.corrupt_versions = {2}
     receiver = env.receiver("rollout-0")
     env.wait_members(1)

@@ -180,3 +180,19 @@ def test_lease_pins_the_snapshot_and_bad_requests_get_named_errors(server, zmq_c
     )
     assert gone.code == "UNKNOWN_LEASE"
     assert pull_snapshot(srv.endpoint, srv.cfg).version == 2  # still serving
+
+
+def test_buffer_pool_reuses_a_buffer_only_when_no_view_of_it_is_alive():
+    from weight_sync.buffers import BufferPool, only_owner
+
+    bucket = plan_buckets([TensorSpec("w", (64,), torch.float32)], 1 << 20)[0]
+    pool = BufferPool(torch.device("cpu"))
+    first = pool.get(bucket)
+    view = first[:8].view(2, 4)  # what a receiver hands the rollout loop
+    assert not only_owner(first)
+    pool.retire([first])
+    second = pool.get(bucket)
+    assert second is not first  # the view is alive: a fresh buffer
+    del view
+    assert only_owner(first)
+    assert pool.get(bucket) is first and pool.reused == 1 and pool.allocated == 2

@@ -51,6 +51,7 @@ from weight_sync.announcements import (
     ready_key,
     sums_key,
 )
+from weight_sync.buffers import BufferPool
 from weight_sync.group import (
     BroadcastGroup,
     CollectiveError,
@@ -136,6 +137,9 @@ class WeightBroadcaster:
         self._source: tuple[object, ParamSource] | None = None
         self._broken = False  # the current epoch's group failed: form a new one before sending
         self._abandoned_works: list = []  # of a failed publish, dropped together with its group
+        self._droppers: list = []  # threads releasing dropped groups
+        # host buffers of retired snapshots (one version's worth), page-locked for accelerators
+        self._host_buffers = BufferPool(torch.device("cpu"), pin=device.type != "cpu")
         self._force_full = True  # members may lack the delta base (new epoch, a refusal)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -165,6 +169,8 @@ class WeightBroadcaster:
         while self.membership.registered() and time.monotonic() < deadline:
             time.sleep(0.05)  # receivers LEAVE when they read the shutdown
         self._drop_group()
+        for dropper in self._droppers:  # a group torn down at interpreter exit aborts it
+            dropper.join(timeout=min(10.0, self.cfg.publish_timeout_s))
         if self.transfer is not None:
             self.transfer.close()
             self.transfer = None
@@ -206,9 +212,11 @@ class WeightBroadcaster:
                 self._abandon_epoch(error)
         if delivered and delta_tensors < 0:
             self._force_full = False
-        self.snapshot = snapshot
+        retired, self.snapshot = self.snapshot, snapshot
         if self.transfer is not None:
             self.transfer.publish(snapshot)
+        if retired is not None:
+            self._host_buffers.retire(retired.flats)  # reused once no pull holds a view of it
         self.membership.set_published(version)
         stats = PublishStats(
             version=version,
@@ -251,9 +259,11 @@ class WeightBroadcaster:
         sums: list[list[int]] = []
 
         def produce(i: int, bucket: Bucket) -> tuple[torch.Tensor, list[int]]:
+            on_host = self.device.type == "cpu"
+            out = self._host_buffers.get(bucket) if on_host else empty_bucket(bucket, self.device)
             with source.gather(bucket.names) as full:
-                packed = pack_bucket(bucket, full, empty_bucket(bucket, self.device))
-            host = packed if packed.device.type == "cpu" else packed.to("cpu")
+                packed = pack_bucket(bucket, full, out)
+            host = packed if on_host else self._host_buffers.get(bucket).copy_(packed)
             flats.append(host)
             sums.append(slot_checksums(bucket, host))
             return packed, sums[-1]
@@ -411,7 +421,8 @@ class WeightBroadcaster:
 
     def _drop_group(self) -> None:
         if self.group is not None:
-            self.group.close(pending=self._abandoned_works)
+            self._droppers = [d for d in self._droppers if d.is_alive()]
+            self._droppers.append(self.group.close(pending=self._abandoned_works))
             self._abandoned_works = []
             self.group = None
 

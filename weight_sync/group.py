@@ -75,13 +75,14 @@ class BroadcastGroup:
         except RuntimeError as e:  # gloo raises at enqueue when the group is already broken
             raise CollectiveError(f"epoch {self.epoch}: broadcast could not start: {e}") from e
 
-    def close(self, pending: list | None = None) -> None:
+    def close(self, pending: list | None = None) -> threading.Thread | None:
         """Drop the group without waiting for it. A gloo group's destructor waits until its
         queued ops ran, and an op whose peer is gone only ends at its timeout: so the last
         reference (and the `pending` works and buffers of an abandoned collective) is released
-        in a short-lived daemon thread, never in the caller."""
+        in a short-lived daemon thread, never in the caller. Returns that thread: a process
+        about to exit joins it (a group torn down during interpreter exit aborts the process)."""
         if self.pg is None:
-            return
+            return None
         if self.backend in ("nccl", "hccl"):
             try:
                 self.pg.abort()
@@ -89,7 +90,9 @@ class BroadcastGroup:
                 pass  # already torn down by its watchdog
         box = [self.pg, pending]
         self.pg = None  # type: ignore[assignment]
-        threading.Thread(target=box.clear, name="weight-sync-drop-group", daemon=True).start()
+        dropper = threading.Thread(target=box.clear, name="weight-sync-drop-group", daemon=True)
+        dropper.start()
+        return dropper
 
 
 def wait_work(

@@ -53,8 +53,9 @@ from weight_sync.announcements import (
     ready_key,
     sums_key,
 )
+from weight_sync.buffers import BufferPool
 from weight_sync.group import BroadcastGroup, CollectiveError, make_group, wait_work
-from weight_sync.layout import decode_checksums, empty_bucket, slot_checksums, unpack_bucket
+from weight_sync.layout import decode_checksums, slot_checksums, unpack_bucket
 from weight_sync.transfer_client import TransferError, pull_snapshot
 
 log = logging.getLogger(__name__)
@@ -102,8 +103,12 @@ class WeightReceiver:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._latest: ReceivedWeights | None = None
+        # The held version's tensors, kept only as the base of deltas (weight_sync.delta): once
+        # the rollout loop took and loaded a version, the engine holds the only other copy.
         self._current: dict[str, torch.Tensor] = {}
         self._group: BroadcastGroup | None = None
+        self._droppers: list[threading.Thread] = []  # threads releasing dropped groups
+        self._buffers = BufferPool(device)
         self._registered = False
         self._listed = False  # an epoch listed it since it last joined
         self._seq = 0
@@ -128,9 +133,9 @@ class WeightReceiver:
             return latest
 
     def held(self) -> ReceivedWeights | None:
-        """The newest verified version this receiver holds (taken or not)."""
+        """The newest verified version (taken or not), when kept as a delta base."""
         with self._lock:
-            if self.version < 0:
+            if self.version < 0 or not self._current:
                 return None
             return ReceivedWeights(self.version, list(self._current.items()))
 
@@ -163,6 +168,8 @@ class WeightReceiver:
                 self.error = e
         finally:
             self._drop_group()
+            for dropper in self._droppers:  # groups torn down at interpreter exit abort it
+                dropper.join(timeout=min(10.0, self.cfg.publish_timeout_s))
             if self._registered and self._control is not None:
                 self._leave(shutdown)
             if self._control is not None:
@@ -305,7 +312,8 @@ class WeightReceiver:
 
     def _drop_group(self, pending: list | None = None) -> None:
         if self._group is not None:
-            self._group.close(pending)
+            self._droppers = [d for d in self._droppers if d.is_alive()]
+            self._droppers.append(self._group.close(pending))
             self._group = None
             self.epoch = 0
 
@@ -360,7 +368,7 @@ class WeightReceiver:
 
     def _receive(self, seq: int, ann: WeightsAnnouncement) -> None:
         group = self._group
-        flats = [empty_bucket(b, self.device) for b in ann.buckets]
+        flats = [self._buffers.get(b) for b in ann.buckets]
         works: list = []
         bad: list[str] = []
         try:
@@ -384,6 +392,7 @@ class WeightReceiver:
             self._report(ann.epoch, ann.version, "failed", str(e))
             return
         tensors = {n: t for b, f in zip(ann.buckets, flats) for n, t in unpack_bucket(b, f)}
+        self._buffers.retire(flats)  # reused once the rollout loop dropped its views
         if bad:
             self._refuse(ann.epoch, ann.version, f"checksum mismatch in {len(bad)} tensors, e.g. {bad[:3]}")
             return
@@ -434,7 +443,7 @@ class WeightReceiver:
 
     def _accept(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         with self._arrived:
-            self._current = tensors
+            self._current = tensors if self.cfg.delta else {}
             self.version = version
             self._latest = ReceivedWeights(version, list(tensors.items()))
             self._arrived.notify_all()
