@@ -237,6 +237,31 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
     return {"receivers": n, "raw_s": raw, "sync_s": sync, "publish_s": publish_only, "pull_s": pull}
 
 
+def produce_only(args: argparse.Namespace, model: RandomModel) -> list[float]:
+    """Publishes with no receiver: the learner's own work per version (gather, cast and pack,
+    checksums, snapshot), which a publish overlaps with the broadcast."""
+    from weight_sync.broadcaster import WeightBroadcaster
+
+    cfg = WeightSyncConfig(
+        master_port=free_port(),
+        bucket_mb=args.bucket_mb,
+        dtype=args.dtype,
+        pipeline_depth=args.pipeline_depth,
+    )
+    broadcaster = WeightBroadcaster(cfg, torch.device(args.device))
+    broadcaster.start()
+    try:
+        times = []
+        for version in range(args.repeats + 2):  # the first two fill the buffer pool
+            t0 = time.perf_counter()
+            broadcaster.publish(version, model)
+            if version > 1:
+                times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        broadcaster.close(leave_wait_s=0)
+
+
 def raw_broadcasts(args, store, n: int, nbytes: int, device: torch.device) -> list[float]:
     backend = resolve_backend("auto", device)
     group = make_group(
@@ -315,6 +340,8 @@ def main() -> int:
         f"bucket {args.bucket_mb} MiB, pipeline depth {args.pipeline_depth}, device {args.device}, "
         f"backend {resolve_backend('auto', device)}"
     )
+    with console.status("timing the learner's own work per publish"):
+        produce = produce_only(args, model)
     cases = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("receiver counts", total=len(args.receivers))
@@ -347,6 +374,10 @@ def main() -> int:
         )
     console.print(table)
     console.print("GB/s = model bytes / time to the last receiver; every receiver gets all of them.")
+    console.print(
+        f"learner work per publish without receivers (gather, cast, pack, checksum): "
+        f"{statistics.median(produce):.2f} s"
+    )
     result = {
         "params": n_params,
         "bytes": nbytes,
@@ -356,6 +387,7 @@ def main() -> int:
         "device": args.device,
         "backend": resolve_backend("auto", device),
         "repeats": args.repeats,
+        "produce_only_s": produce,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "cases": cases,
     }

@@ -4,7 +4,8 @@ Socket rules: binds `control.endpoint`; rollout services and `sluice status` con
 (or REQ). Request/reply only, small headers, no payload frames. Bad requests get an
 ErrorReply naming the field and the server keeps serving. The learner thread publishes its
 version and stats through `set_version` / `update_learner` (under a lock); the server thread
-owns the socket.
+owns the socket. Weight-sync membership (JOIN / LEAVE / SYNC_REPORT) is answered by the
+registry the learner attaches (`attach_membership`), which does its own locking.
 """
 
 from __future__ import annotations
