@@ -135,6 +135,7 @@ class WeightBroadcaster:
         self._layout: list[Bucket] | None = None
         self._specs: list[TensorSpec] | None = None
         self._source: tuple[object, ParamSource] | None = None
+        self._members: list[str] = []  # the current epoch's members, in rank order
         self._broken = False  # the current epoch's group failed: form a new one before sending
         self._abandoned_works: list = []  # of a failed publish, dropped together with its group
         self._droppers: list = []  # threads releasing dropped groups
@@ -332,11 +333,35 @@ class WeightBroadcaster:
                 wait_oldest()
             except CollectiveError as e:
                 error = e
+        if error is None and group is not None:
+            error = self._await_reports(group, version, liveness)
         if error is not None:
-            if liveness is not None and liveness.silent:
+            if liveness is not None and liveness.silent and "heartbeat" not in str(error):
                 error = CollectiveError(f"{error}: no heartbeat from rank(s) {liveness.silent}")
             self._abandoned_works.append(list(inflight))  # released with the group, not here
         return error
+
+    def _await_reports(
+        self, group: BroadcastGroup, version: int, liveness: _Liveness
+    ) -> CollectiveError | None:
+        """A publish is complete when every member verified it (or refused it: a data problem,
+        not a group problem). Our side of the broadcast finishing is not enough: in a tree a
+        member may have lost the data another member was to forward."""
+        deadline = time.monotonic() + self.cfg.publish_timeout_s
+        while True:
+            outcomes = self.membership.wait_reports(group.epoch, version, self._members, 0.25)
+            failed = [sid for sid, outcome in outcomes.items() if outcome == "failed"]
+            if failed:
+                return CollectiveError(f"{failed} failed to receive v{version}")
+            if len(outcomes) == len(self._members):
+                return None
+            if liveness():
+                return CollectiveError(f"no heartbeat from rank(s) {liveness.silent} after v{version}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(self._members) - set(outcomes))
+                return CollectiveError(
+                    f"{missing} did not confirm v{version} within {self.cfg.publish_timeout_s}s"
+                )
 
     # -- membership epochs ---------------------------------------------------------------------
 
@@ -367,6 +392,7 @@ class WeightBroadcaster:
         committed = [c for c in candidates if ready.get(c.service_id) == c.incarnation]
         dropped = [c for c in candidates if c not in committed]
         ids = [c.service_id for c in committed]
+        self._members = ids
         self.store.set(commit_key(epoch), encoder.encode(EpochCommit(epoch, ids, self.backend)))
         self.membership.commit_epoch(committed, dropped)
         if dropped:

@@ -16,6 +16,7 @@ reserved in one step.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
@@ -43,6 +44,7 @@ class Member:
     refused: int = 0
     failed: int = 0
     last_error: str = ""
+    report: tuple[int, int, str] | None = None  # (epoch, version, outcome) last reported
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Candidate:
 class Membership:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._reported = threading.Condition(self._lock)
         self._members: dict[str, Member] = {}
         self._changed = False
         self._seq = 0
@@ -106,6 +109,8 @@ class Membership:
     def _report(self, req: SyncReportRequest) -> SyncReportReply:
         member = self._members.get(req.service_id)
         if member is not None and member.incarnation == req.incarnation:
+            member.report = (req.epoch, req.version, req.outcome)
+            self._reported.notify_all()
             if req.outcome == "ok":
                 member.version = max(member.version, req.version)
             else:
@@ -166,6 +171,26 @@ class Membership:
                 if m is not None and m.incarnation == c.incarnation:
                     del self._members[c.service_id]
                     self.counters["dropped"] += 1
+
+    def wait_reports(
+        self, epoch: int, version: int, service_ids: list[str], timeout_s: float
+    ) -> dict[str, str]:
+        """Outcome per member that reported `version` over `epoch` (a member that left counts
+        as "left"); returns when all did, when one failed, or after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._reported:
+            while True:
+                got = {}
+                for sid in service_ids:
+                    m = self._members.get(sid)
+                    if m is None:
+                        got[sid] = "left"
+                    elif m.report is not None and m.report[:2] == (epoch, version):
+                        got[sid] = m.report[2]
+                remaining = deadline - time.monotonic()
+                if len(got) == len(service_ids) or "failed" in got.values() or remaining <= 0:
+                    return got
+                self._reported.wait(remaining)
 
     def take_problems(self) -> list[SyncReportRequest]:
         """Refusals and failures reported since the last call."""
