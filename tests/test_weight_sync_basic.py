@@ -227,3 +227,36 @@ def test_delta_sync_sends_only_changed_tensors(env_factory):
     got = wait_version(receiver, 3)
     assert got.version == 3
     assert_identical(got.tensors, expected(model, torch.float32))
+
+
+class HookedBroadcaster(WeightBroadcaster):
+    """Runs `before_send` right before a version is announced (after the epoch was formed)."""
+
+    before_send = None
+
+    def _send(self, version, layout, produce, base_version=-1):
+        if self.before_send is not None:
+            hook, self.before_send = self.before_send, None
+            hook()
+        return super()._send(version, layout, produce, base_version)
+
+
+def test_a_service_that_joined_after_the_epoch_formed_catches_up_by_pulling(env_factory):
+    model = tiny_model()
+    env = env_factory(broadcaster_cls=HookedBroadcaster)
+    early = env.receiver("rollout-0")
+    env.wait_members(1)
+    env.broadcaster.publish(1, model)
+    late = []
+
+    def join_late() -> None:  # the JOIN lands after this publish chose its epoch's members
+        late.append(env.receiver("rollout-1"))
+        env.wait_members(2)
+
+    env.broadcaster.before_send = join_late
+    perturb(model)
+    assert env.broadcaster.publish(2, model).members == 1
+    got = wait_version(late[0], 2)  # without waiting for the next epoch
+    assert got.version == 2 and late[0].pulls == 2 and late[0].epoch == 0
+    assert_identical(got.tensors, expected(model, torch.float32))
+    assert wait_version(early, 2).version == 2

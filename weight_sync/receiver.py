@@ -195,6 +195,8 @@ class WeightReceiver:
                     self._enter_epoch(announcement)
                 elif self._group is not None and announcement.epoch == self._group.epoch:
                     self._receive(self._seq - 1, announcement)
+                else:
+                    self._catch_up(announcement.version)
             except _Rejoin as why:
                 log.info("weight receiver: joining again (%s)", why)
                 self._drop_group()
@@ -228,6 +230,18 @@ class WeightReceiver:
         )
         if reply.published_version > self.version:
             self._pull()  # published between the pull and the JOIN
+
+    def _catch_up(self, version: int) -> None:
+        """A version went out over a group this receiver is not in (it joined after the epoch
+        formed, or its group failed): pull it once the learner finished publishing it, rather
+        than generate with older weights until the next epoch. Gives up when a newer
+        announcement comes (the next epoch may list it)."""
+        deadline = time.monotonic() + self.cfg.publish_timeout_s
+        while self.version < version and not self._stop.is_set() and time.monotonic() < deadline:
+            self._pull()
+            if self.version >= version or int(self._store.get(HEAD_KEY)) > self._seq:
+                return
+            time.sleep(0.05)
 
     def _pull(self) -> None:
         """The late joiner's path: the learner's snapshot over ZeroMQ, if newer than held."""
