@@ -208,6 +208,7 @@ class WeightBroadcaster:
             self._form_epoch()
             members = self.group.world_size - 1 if self.group else 0
             error = self._send_full(snapshot)
+            sent, delta_tensors = snapshot.nbytes, -1
             delivered = error is None
             if error is not None:
                 self._abandon_epoch(error)
@@ -289,6 +290,8 @@ class WeightBroadcaster:
         if base is None or self._force_full:
             return self._send_full(snapshot), snapshot.nbytes, -1
         changed = {t.name: t for t in snapshot.tensors() if base.checksum_of(t.name) != t.checksum}
+        if self.group is None:
+            return None, 0, len(changed)  # nobody to send to; the snapshot is what counts
         specs = [TensorSpec(t.name, tuple(t.shape), TORCH_DTYPES[t.dtype]) for t in changed.values()]
         layout = plan_buckets(specs, int(self.cfg.bucket_mb * 2**20))
 

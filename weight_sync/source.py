@@ -42,18 +42,21 @@ class ParamSource(ABC):
 
 
 class ModuleSource(ParamSource):
+    """Parameters are looked up at every call: a learner that replaces them (loading a
+    checkpoint with assign=True) publishes the new ones."""
+
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = unwrap(module)
-        self._params = dict(self.module.named_parameters())
 
     def specs(self) -> list[TensorSpec]:
         # A DTensor's .shape is its global shape: reading it gathers nothing.
-        return [TensorSpec(n, tuple(p.shape), p.dtype) for n, p in self._params.items()]
+        return [TensorSpec(n, tuple(p.shape), p.dtype) for n, p in self.module.named_parameters()]
 
     @contextmanager
     def gather(self, names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
+        params = dict(self.module.named_parameters())
         with torch.no_grad():
-            yield {n: _full(self._params[n]) for n in names}
+            yield {n: _full(params[n]) for n in names}
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -68,19 +71,19 @@ class ZeRO3Source(ParamSource):
         import deepspeed  # noqa: F401  (only learners that use ZeRO-3 need it)
 
         self.module = unwrap(module)
-        self._params = dict(self.module.named_parameters())
-        missing = [n for n, p in self._params.items() if not hasattr(p, "ds_shape")]
+        missing = [n for n, p in self.module.named_parameters() if not hasattr(p, "ds_shape")]
         if missing:
             raise ValueError(f"ZeRO3Source: parameters without ZeRO-3 partitioning, e.g. {missing[:3]}")
 
     def specs(self) -> list[TensorSpec]:
-        return [TensorSpec(n, tuple(p.ds_shape), p.dtype) for n, p in self._params.items()]
+        return [TensorSpec(n, tuple(p.ds_shape), p.dtype) for n, p in self.module.named_parameters()]
 
     @contextmanager
     def gather(self, names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
         import deepspeed
 
-        params = [self._params[n] for n in names]
+        by_name = dict(self.module.named_parameters())
+        params = [by_name[n] for n in names]
         with torch.no_grad(), deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             yield {n: p.data for n, p in zip(names, params)}
 
