@@ -198,6 +198,8 @@ class WeightReceiver:
                 else:
                     self._catch_up(announcement.version)
             except _Rejoin as why:
+                if self._stop.is_set():
+                    break  # still registered: the LEAVE on the way out removes it
                 log.info("weight receiver: joining again (%s)", why)
                 self._drop_group()
                 self._registered = False
