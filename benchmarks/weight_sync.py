@@ -13,6 +13,8 @@ processes (`--role receiver`), as rollout services are.
     python benchmarks/weight_sync.py                  # 0.5B params, bf16 wire, CPU/gloo
     python benchmarks/weight_sync.py --quick          # ~10M params: a smoke test
     python benchmarks/weight_sync.py --device cuda    # NCCL; needs receivers+1 GPUs
+    python benchmarks/weight_sync.py --device cuda --backend gloo --receiver-device cpu
+                                                      # one GPU: learner packs on it, gloo
 
 Prints a table (rich) and writes JSON (default benchmarks/results/weight_sync.json).
 """
@@ -102,7 +104,7 @@ def receiver_main(args: argparse.Namespace) -> int:
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = resolve_backend("auto", device)
+    backend = resolve_backend(args.backend, device)
     cfg = WeightSyncConfig(
         master_port=args.master_port,
         timeout_s=300,
@@ -163,6 +165,7 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
     device = torch.device(args.device)
     cfg = WeightSyncConfig(
         master_port=free_port(),
+        backend=args.backend,
         bucket_mb=args.bucket_mb,
         dtype=args.dtype,
         pipeline_depth=args.pipeline_depth,
@@ -197,7 +200,9 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
                 "--repeats",
                 str(args.repeats),
                 "--device",
-                args.device,
+                args.receiver_device,
+                "--backend",
+                args.backend,
             ],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
@@ -263,7 +268,7 @@ def produce_only(args: argparse.Namespace, model: RandomModel) -> list[float]:
 
 
 def raw_broadcasts(args, store, n: int, nbytes: int, device: torch.device) -> list[float]:
-    backend = resolve_backend("auto", device)
+    backend = resolve_backend(args.backend, device)
     group = make_group(
         backend, store, 0, n + 1, epoch=0, prefix=RAW_PREFIX, connect_timeout_s=120, op_timeout_s=300
     )
@@ -297,7 +302,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="~10M parameters instead of 0.5B")
     ap.add_argument("--receivers", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
+    ap.add_argument("--device", default="cpu", help="learner device: cpu (gloo) or cuda (nccl)")
+    ap.add_argument("--receiver-device", default=None, help="receivers' device (default: --device)")
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=["auto", "gloo", "nccl"],
+        help="auto: nccl on cuda, gloo on cpu; gloo with a cuda learner and cpu receivers fits one GPU",
+    )
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="wire dtype")
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--pipeline-depth", type=int, default=2)
@@ -319,7 +331,8 @@ def main() -> int:
 
     console = Console()
     device = torch.device(args.device)
-    if device.type == "cuda":
+    args.receiver_device = args.receiver_device or args.device
+    if resolve_backend(args.backend, device) == "nccl":
         gpus = torch.cuda.device_count()
         too_many = [n for n in args.receivers if n + 1 > gpus]
         if too_many:
@@ -338,7 +351,7 @@ def main() -> int:
     console.print(
         f"{n_params / 1e9:.3f}B parameters, {nbytes / 1e9:.2f} GB on the wire ({args.dtype}), "
         f"bucket {args.bucket_mb} MiB, pipeline depth {args.pipeline_depth}, device {args.device}, "
-        f"backend {resolve_backend('auto', device)}"
+        f"receivers on {args.receiver_device}, backend {resolve_backend(args.backend, device)}"
     )
     with console.status("timing the learner's own work per publish"):
         produce = produce_only(args, model)
@@ -385,7 +398,8 @@ def main() -> int:
         "bucket_mb": args.bucket_mb,
         "pipeline_depth": args.pipeline_depth,
         "device": args.device,
-        "backend": resolve_backend("auto", device),
+        "receiver_device": args.receiver_device,
+        "backend": resolve_backend(args.backend, device),
         "repeats": args.repeats,
         "produce_only_s": produce,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
