@@ -65,14 +65,11 @@ class Learner:
         )
         self.version = 0
         self.buffer = BufferClient(cfg.buffer.all_endpoints())
+        self.broadcaster = WeightBroadcaster(cfg.weight_sync, self.device, cfg.model.dtype)
         self.metrics = LearnerMetrics(cfg)
-        self.broadcaster = WeightBroadcaster(
-            cfg.weight_sync, self.device, cfg.model.dtype, registry=self.metrics.prom.registry
-        )
         self.control = ControlServer(
             cfg.control.bind_endpoint, AdmissionPolicy(lc.batch_size, lc.max_staleness)
         )
-        self.control.attach_membership(self.broadcaster.membership)  # JOIN / LEAVE / SYNC_REPORT
         self.totals = {"samples": 0, "tokens": 0, "dropped_stale": 0, "violations": 0}
 
     # -- named steps ---------------------------------------------------------------------------
@@ -157,7 +154,9 @@ class Learner:
         lc, ws = self.cfg.learner, self.cfg.weight_sync
         self.metrics.start()
         self.control.start()
-        self.broadcaster.start()
+        self.broadcaster.start(  # membership (JOIN / LEAVE / SYNC_REPORT) on our control plane
+            self.control, self.cfg.control.endpoint, self.metrics.prom.registry
+        )
         self.publish_weights()
         while self.version < lc.total_steps and not self.stop.is_set():
             t0 = time.perf_counter()

@@ -58,10 +58,7 @@ class RolloutService:
         self._check_vocabulary()
         self.sampling = SamplingParams(rc.max_new_tokens, rc.temperature)
         self.receiver = WeightReceiver(
-            cfg.weight_sync,
-            service_id=self.service_id,
-            control_endpoint=cfg.control.endpoint,
-            device=torch.device("cpu"),
+            cfg.weight_sync, rank=index + 1, world_size=rc.services + 1, device=torch.device("cpu")
         )
         self.buffer = BufferClient(
             cfg.buffer.all_endpoints(),

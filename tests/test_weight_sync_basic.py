@@ -260,3 +260,19 @@ def test_a_service_that_joined_after_the_epoch_formed_catches_up_by_pulling(env_
     assert got.version == 2 and late[0].pulls == 2 and late[0].epoch == 0
     assert_identical(got.tensors, expected(model, torch.float32))
     assert wait_version(early, 2).version == 2
+
+
+def test_fixed_group_signature_still_works_and_finds_the_control_plane_in_the_store(env_factory):
+    """What rollout services built against the fixed-world receiver call: rank names the
+    service; the control endpoint is the one the learner advertises."""
+    from weight_sync.receiver import WeightReceiver
+
+    model = tiny_model()
+    env = env_factory()
+    receiver = WeightReceiver(env.cfg, rank=3, world_size=3, device=torch.device("cpu"))
+    env.receivers.append(receiver)
+    receiver.start()
+    env.wait_members(1)
+    assert env.broadcaster.publish(1, model).members == 1
+    assert receiver.service_id == "rollout-2"
+    assert_identical(wait_version(receiver, 1).tensors, expected(model, torch.float32))

@@ -103,9 +103,8 @@ class SyncEnv:
         self.control_endpoint = f"tcp://127.0.0.1:{free_port()}"
         self.control = ControlServer(self.control_endpoint, AdmissionPolicy(8, 1), ctx=zmq.Context())
         self.broadcaster = broadcaster_cls(cfg, torch.device("cpu"), **kwargs)
-        self.control.attach_membership(self.broadcaster.membership)
         self.control.start()
-        self.broadcaster.start()
+        self.broadcaster.start(self.control, self.control_endpoint)
         self.receivers: list[WeightReceiver] = []
         self.probes: list[ProbeProcess] = []
 

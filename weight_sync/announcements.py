@@ -7,6 +7,7 @@ receivers write their epoch confirmations.
 
     ws/head                  next announcement sequence number (decimal)
     ws/transfer              ZeroMQ endpoint of the snapshot server (late joiners pull there)
+    ws/control               control-plane endpoint receivers JOIN at (when not configured)
     ws/ann/<seq>             Announcement (msgpack): epoch | weights | shutdown
     ws/ann/<seq>/sums        weights only: xxh3-64 of every tensor, little-endian uint64 in
                              layout order, appended bucket by bucket BEFORE that bucket's data
@@ -31,6 +32,7 @@ from weight_sync.layout import Bucket
 KEEP_ANNOUNCEMENTS = 64
 HEAD_KEY = "ws/head"
 TRANSFER_KEY = "ws/transfer"
+CONTROL_KEY = "ws/control"
 
 
 def ann_key(seq: int) -> str:

@@ -27,6 +27,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from prometheus_client import CollectorRegistry
 
 from sluice.config.weight_sync import WeightSyncConfig
 from weight_sync.announcements import (
+    CONTROL_KEY,
     HEAD_KEY,
     KEEP_ANNOUNCEMENTS,
     TRANSFER_KEY,
@@ -83,6 +85,12 @@ log = logging.getLogger(__name__)
 Producer = Callable[[int, Bucket], tuple[torch.Tensor, list[int]]]
 
 
+class MembershipHost(Protocol):
+    """Where receivers send JOIN / LEAVE / SYNC_REPORT (sluice.control.server.ControlServer)."""
+
+    def attach_membership(self, registry: Membership) -> None: ...
+
+
 class _Liveness:
     """Polled while the learner waits on a broadcast: reads every member's heartbeat counter
     (at most twice a second) and says abort when one has not moved for `timeout_s`."""
@@ -119,7 +127,6 @@ class WeightBroadcaster:
         model_dtype: str = "float32",
         *,
         learner_rank: int = 0,
-        registry: CollectorRegistry | None = None,
     ) -> None:
         self.cfg = cfg
         self.device = device
@@ -127,7 +134,7 @@ class WeightBroadcaster:
         self.learner_rank = learner_rank
         self.backend = resolve_backend(cfg.backend, device)
         self.membership = Membership()
-        self.metrics = BroadcastMetrics(registry)
+        self.metrics = BroadcastMetrics(None)
         self.store: dist.TCPStore | None = None
         self.transfer: SnapshotServer | None = None
         self.group: BroadcastGroup | None = None
@@ -145,16 +152,29 @@ class WeightBroadcaster:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(
+        self,
+        control: MembershipHost | None = None,
+        control_endpoint: str | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         """Serve the store and the snapshot server (rank 0). Returns at once: receivers join
-        whenever they come up."""
+        whenever they come up. `control`: the control server that answers JOIN / LEAVE /
+        SYNC_REPORT with this broadcaster's membership; `control_endpoint`: its address,
+        advertised to receivers not configured with one; `registry`: Prometheus metrics."""
         if self.learner_rank != 0:
             return
+        if registry is not None:
+            self.metrics = BroadcastMetrics(registry)
+        if control is not None:
+            control.attach_membership(self.membership)
         self.store = open_store(self.cfg.master_addr, self.cfg.master_port, True, self.cfg.timeout_s)
         self.transfer = SnapshotServer(self.cfg.transfer, self.cfg.master_addr)
         self.transfer.start()
         self.store.set(HEAD_KEY, b"0")
         self.store.set(TRANSFER_KEY, self.transfer.endpoint.encode())
+        if control_endpoint is not None:
+            self.store.set(CONTROL_KEY, control_endpoint.encode())
         log.info(
             "weight sync: store :%d, snapshots at %s, backend %s",
             self.cfg.master_port,

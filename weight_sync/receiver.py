@@ -38,6 +38,7 @@ from sluice.config.weight_sync import WeightSyncConfig
 from sluice.control.client import ControlClient
 from sluice.rpc import RpcError, RpcTimeout
 from weight_sync.announcements import (
+    CONTROL_KEY,
     HEAD_KEY,
     TRANSFER_KEY,
     EpochAnnouncement,
@@ -78,14 +79,25 @@ class WeightReceiver:
     def __init__(
         self,
         cfg: WeightSyncConfig,
-        *,
-        service_id: str,
-        control_endpoint: str,
+        rank: int | None = None,
+        world_size: int | None = None,
         device: torch.device = torch.device("cpu"),
+        *,
+        service_id: str | None = None,
+        control_endpoint: str | None = None,
         expected: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
-        """`expected` (name -> shape), when given, is checked against every layout: unknown
-        names, wrong shapes, or (for a full version) missing names refuse the version."""
+        """`service_id`: who this receiver is in the membership (one per rollout service).
+        `control_endpoint`: where to JOIN; None: the endpoint the learner advertises in the
+        store. `rank` / `world_size` are the fixed-group interface of earlier versions: group
+        ranks now come from the membership epochs, and `rank` only names the service
+        (`rollout-<rank - 1>`) when no `service_id` is given. `expected` (name -> shape), when
+        given, is checked against every layout: unknown names, wrong shapes, or missing names
+        refuse the version."""
+        if service_id is None:
+            if rank is None:
+                raise ValueError("WeightReceiver needs a service_id (or a rank to name it by)")
+            service_id = f"rollout-{rank - 1}"
         self.cfg = cfg
         self.service_id = service_id
         self.incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -160,7 +172,8 @@ class WeightReceiver:
                 timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
                 wait_for_workers=False,
             )
-            self._control = ControlClient(self.control_endpoint, timeout_s=min(10.0, self.cfg.timeout_s))
+            endpoint = self.control_endpoint or self._store.get(CONTROL_KEY).decode()
+            self._control = ControlClient(endpoint, timeout_s=min(10.0, self.cfg.timeout_s))
             shutdown = self._follow()
         except BaseException as e:  # noqa: BLE001 - surfaced to the rollout loop via .error
             if not self._stop.is_set():
