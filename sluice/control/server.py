@@ -4,8 +4,7 @@ Socket rules: binds `control.endpoint`; rollout services and `sluice status` con
 (or REQ). Request/reply only, small headers, no payload frames. Bad requests get an
 ErrorReply naming the field and the server keeps serving. The learner thread publishes its
 version and stats through `set_version` / `update_learner` (under a lock); the server thread
-owns the socket. Weight-sync membership (JOIN / LEAVE / SYNC_REPORT) is answered by the
-registry the learner attaches (`attach_membership`), which does its own locking.
+owns the socket.
 """
 
 from __future__ import annotations
@@ -101,7 +100,8 @@ class ControlServer:
                 self.admission.release(n)
 
     def attach_membership(self, registry: MembershipRegistry) -> None:
-        """Serve JOIN / LEAVE / SYNC_REPORT with the learner's weight-sync membership."""
+        """Serve JOIN / LEAVE / SYNC_REPORT with the learner's weight-sync membership (the
+        registry does its own locking; STATUS then reports it too)."""
         with self._lock:
             self._membership = registry
 
@@ -162,8 +162,6 @@ class ControlServer:
         if isinstance(req, HeartbeatRequest):
             self._services[req.service_id] = (req.role, time.monotonic(), dict(req.stats))
             return HeartbeatReply(proto=p, id=req.id, version=self._version)
-        if isinstance(req, MEMBERSHIP_REQUESTS):
-            return self._membership_op(req)
         if isinstance(req, StatusRequest):
             now = time.monotonic()
             services = {
@@ -183,6 +181,8 @@ class ControlServer:
                 },
                 weight_sync=None if self._membership is None else self._membership.status(),
             )
+        if isinstance(req, MEMBERSHIP_REQUESTS):
+            return self._membership_op(req)
         raise codec.ProtocolError("BAD_HEADER", f"unhandled op {type(req).__name__}")
 
     def _membership_op(self, req):
