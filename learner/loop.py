@@ -66,9 +66,7 @@ class Learner:
         )
         self.version = 0
         self.buffer = BufferClient(cfg.buffer.all_endpoints(), ctx=secure_context(cfg.security, "client"))
-        self.broadcaster = WeightBroadcaster(
-            cfg.weight_sync, cfg.rollout.services, self.device, cfg.model.dtype
-        )
+        self.broadcaster = WeightBroadcaster(cfg.weight_sync, self.device, cfg.model.dtype)
         self.metrics = LearnerMetrics(cfg)
         self.control = ControlServer(
             cfg.control.bind_endpoint,
@@ -140,8 +138,16 @@ class Learner:
         }
 
     def publish_weights(self) -> float:
+        """Broadcast to the current members; late joiners pull this version's snapshot. A
+        receiver that fails costs at most the weight-sync timeouts, never a hang."""
         stats = self.broadcaster.publish(self.version, self.model)
         self.control.set_published(self.version)
+        if stats.retried:
+            log.warning(
+                "weight sync v%d: group rebuilt during the publish (delivered=%s)",
+                stats.version,
+                stats.delivered,
+            )
         return stats.seconds
 
     def checkpoint(self) -> None:
@@ -156,7 +162,9 @@ class Learner:
         lc, ws = self.cfg.learner, self.cfg.weight_sync
         self.metrics.start()
         self.control.start()
-        self.broadcaster.start()
+        self.broadcaster.start(  # membership (JOIN / LEAVE / SYNC_REPORT) on our control plane
+            self.control, self.cfg.control.endpoint, self.metrics.prom.registry
+        )
         self.publish_weights()
         while self.version < lc.total_steps and not self.stop.is_set():
             t0 = time.perf_counter()
@@ -200,8 +208,8 @@ class Learner:
         self.totals["violations"] += received.violations
 
     def close(self) -> None:
+        self.broadcaster.close()  # first: receivers LEAVE over the control plane
         self.control.close()
-        self.broadcaster.close()
         self.buffer.close()
         self.metrics.close()
 

@@ -101,9 +101,9 @@ class RolloutService:
 
         receiver = WeightReceiver(
             self.cfg.weight_sync,
-            rank=self.index + 1,
-            world_size=self.cfg.rollout.services + 1,
+            service_id=self.service_id,
             device=torch.device("cpu"),
+            control_endpoint=self.cfg.control.endpoint,
         )
         return ReceiverFeed(receiver)
 
