@@ -102,11 +102,6 @@ def test_ray_run_trains_with_every_role_a_separate_ray_process(tmp_path, process
     assert not alive(seen)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs elastic weight-sync membership (issue 6): with the fixed-world gloo group the "
-    "learner's broadcast fails when a receiver dies and the restarted rollout cannot rejoin",
-)
 def test_killed_rollout_is_restarted_and_training_continues(tmp_path, process_reaper):
     run_dir, log = tmp_path / "run", tmp_path / "driver.log"
     proc = start_ray_run(
