@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sluice.config.base import Section
 from sluice.config.buffer import BufferConfig
 from sluice.config.control import ControlConfig
+from sluice.config.env import EnvConfig
 from sluice.config.learner import LearnerConfig
 from sluice.config.model import ModelConfig
 from sluice.config.rollout import RolloutConfig, TaskConfig
@@ -43,12 +44,30 @@ class RunConfig(Section):
     run: RunSection = RunSection()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    env: EnvConfig = EnvConfig()
     buffer: BufferConfig = BufferConfig()
     rollout: RolloutConfig = RolloutConfig()
     learner: LearnerConfig = LearnerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _check_kinds(self) -> RunConfig:
+        want = {"llm": "llm", "env": "mlp"}[self.rollout.kind]
+        if self.model.kind != want:
+            raise ValueError(
+                f"rollout.kind={self.rollout.kind} needs model.kind={want} (got {self.model.kind})"
+            )
+        classic = self.learner.loss.type == "vtrace"
+        if classic and self.rollout.kind != "env":
+            raise ValueError("learner.loss.type=vtrace is for classic RL: it needs rollout.kind=env")
+        if self.rollout.kind == "llm" and len(self.learner.policies) > 1:
+            raise ValueError(
+                "learner.policies: several policies need rollout.kind=env (the LLM rollout loop "
+                "serves one policy)"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

@@ -126,7 +126,12 @@ class ControlServer:
             granted = self.admission.admit(req.service_id, req.n, req.group_size, self._version)
             retry = 0 if granted >= req.n else self.retry_after_ms
             return AdmitReply(
-                proto=p, id=req.id, granted=granted, version=self._version, retry_after_ms=retry
+                proto=p,
+                id=req.id,
+                granted=granted,
+                version=self._version,
+                weights_version=self._published,
+                retry_after_ms=retry,
             )
         if isinstance(req, RefundRequest):
             if req.n < 0:

@@ -23,9 +23,12 @@ def quiet_libraries() -> None:
     """No per-file progress bars from transformers/huggingface_hub in role logs."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    from transformers.utils import logging as hf_logging
+    # transformers reads the variable when it is imported; switch its bars off here only if it
+    # is imported already (importing it costs seconds in roles that never use it).
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()
 
 
 def setup_logging(role: str, level: str | None = None) -> None:
