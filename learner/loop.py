@@ -86,11 +86,14 @@ class Learner:
         lc = cfg.learner
         torch.set_num_threads(lc.torch_threads)
         torch.manual_seed(cfg.run.seed)
+        # Before joining the group: with torch.distributed up, transformers' save_pretrained
+        # writes nothing on ranks other than 0, so a rank building the directory would not.
+        model_dir = materialize_policy_dir(cfg)
         self.dist: DistContext = init_dist(lc, pick_device(lc.device, int(os.environ.get("LOCAL_RANK", 0))))
         self.ckpt_root = cfg.run_dir / f"checkpoints{self.suffix}"
         resume = resolve_resume(lc.resume, self.ckpt_root)
         state = read_state(resume) if resume is not None else {}
-        self.trainer = Trainer(cfg, self.dist, materialize_policy_dir(cfg), resume)
+        self.trainer = Trainer(cfg, self.dist, model_dir, resume)
         if resume is not None:
             load_rng(resume, self.dist.rank, self.trainer.generator)
         self.version = int(state.get("version", 0))
@@ -123,7 +126,9 @@ class Learner:
         self.ledger = LeaseLedger.from_state(state.get("leases", {}))
         if resumed:
             self._settle_resumed(state)
-        self.source = BatchSource(cfg.buffer.all_endpoints(), self.policy_id, lc, self.stop)
+        self.source = BatchSource(
+            cfg.buffer.all_endpoints(), self.policy_id, lc, self.stop, cfg.buffer.lease_timeout_s
+        )
         n_receivers = len(services_of(cfg, self.policy_id))
         self.broadcaster = WeightBroadcaster(cfg.weight_sync, n_receivers, self.dist.device, cfg.model.dtype)
         admission = AdmissionPolicy(lc.batch_size, lc.max_staleness, started=self.version * lc.batch_size)
@@ -361,6 +366,9 @@ class Learner:
             if self.audit is not None:
                 self.audit.close()
         self.metrics.close()
+        # DDP's reducer (inside the trainer) must be freed before its process group is
+        # destroyed; the other order can hang the process at exit.
+        del self.trainer
         self.dist.close()
 
 

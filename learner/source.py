@@ -9,6 +9,10 @@ Rules:
 - `take()` blocks until the requested batch is complete and returns it, or returns None when
   the learner is stopping (a partial batch is NACKed, nothing is kept).
 - An error in the thread is re-raised by `take()`: a dead prefetcher stops the learner.
+- A partial batch is never held near its lease timeout: when its first lease is older than
+  half of `lease_timeout_s`, it is NACKed (back to the front of the queue) and the batch starts
+  over with fresh leases. Otherwise a slow trickle of data would let the first leases expire
+  and come back into the same batch (trained twice, ACK refused).
 - `close()` NACKs a batch that was fetched but never taken.
 """
 
@@ -33,9 +37,16 @@ class FetchedBatch:
 
 class BatchSource:
     def __init__(
-        self, endpoints: list[str], policy_id: str, lc: LearnerConfig, stop: threading.Event
+        self,
+        endpoints: list[str],
+        policy_id: str,
+        lc: LearnerConfig,
+        stop: threading.Event,
+        lease_timeout_s: float,
     ) -> None:
         self.endpoints = endpoints
+        self.lease_timeout_s = lease_timeout_s
+        self.restarts = 0  # partial batches given back because their leases grew old
         self.policy_id = policy_id
         self.lc = lc
         self.stop = stop
@@ -98,12 +109,19 @@ class BatchSource:
                 if leased.leases:
                     client.nack(leased)
                 return None
+            if leased.leases and time.monotonic() - leased_at > self.lease_timeout_s / 2:
+                client.nack(leased)  # too old to keep waiting on: give back, start over
+                leased = LeasedBatch()
+                self.restarts += 1
             part = client.get(
                 lc.batch_size - len(leased.trajs),
                 min_version=min_version,
                 policy_id=self.policy_id,
                 wait_ms=lc.get_wait_ms,
             )
+            held = {t.traj_id for t in leased.trajs}
+            if any(t.traj_id in held for t in part.trajs):
+                raise RuntimeError("a lease of the batch being assembled expired and came back into it")
             if not leased.leases and part.leases:
                 leased_at = time.monotonic()
             leased.extend(part)

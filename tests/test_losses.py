@@ -19,7 +19,9 @@ T = torch.tensor
 
 
 def close(a, b, tol=1e-6):
-    return math.isclose(float(torch.as_tensor(a).detach()), float(b), rel_tol=tol, abs_tol=tol)
+    return math.isclose(
+        float(torch.as_tensor(a).detach()), float(torch.as_tensor(b).detach()), rel_tol=tol, abs_tol=tol
+    )
 
 
 def test_token_and_sequence_aggregation_by_hand():

@@ -175,7 +175,11 @@ class EnvObjective(Objective):
         remap[index] = torch.arange(len(index), device=remap.device)
         pos = data.final_pos[keep].clone()
         pos[:, 0] = remap[pos[:, 0]]
-        per_row = {f.name: take_rows(getattr(data, f.name), index) for f in fields(Segments)}
+        per_row = {
+            f.name: take_rows(getattr(data, f.name), index)
+            for f in fields(Segments)
+            if f.name not in ("final_obs", "final_pos")
+        }
         per_row.update(final_obs=data.final_obs[keep], final_pos=pos)
         return (Segments(**per_row), False)
 

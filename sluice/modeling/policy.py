@@ -44,7 +44,13 @@ def materialize_policy_dir(cfg: RunConfig) -> Path:
     if cfg.model.kind == "llm":
         from sluice.modeling.tiny import materialize_model_dir  # transformers: LLM runs only
 
-        return materialize_model_dir(cfg.model, cfg.run_dir)
+        path = materialize_model_dir(cfg.model, cfg.run_dir)
+        if not (path / "config.json").is_file():
+            raise RuntimeError(
+                f"{path} has no config.json: was it built by a rank other than 0 of an initialised "
+                "process group? (transformers then writes nothing)"
+            )
+        return path
     if cfg.model.path is not None:
         return Path(cfg.model.path)
     target = cfg.run_dir / "model"
