@@ -60,10 +60,11 @@ def save_checkpoint(
     return final
 
 
-def mark_acked(checkpoint: Path, skipped_ids: list[str]) -> None:
-    """The leases listed in the checkpoint are settled; `skipped_ids` had lost their lease."""
+def mark_acked(checkpoint: Path, skip_ids: list[str]) -> None:
+    """The leases listed in the checkpoint are settled; `skip_ids` is the skip set after that
+    (ids whose lease was gone at the ACK: never to be trained again)."""
     tmp = checkpoint / ".acked.json.tmp"
-    tmp.write_text(json.dumps({"skip_ids": skipped_ids}))
+    tmp.write_text(json.dumps({"skip_ids": skip_ids}))
     os.replace(tmp, checkpoint / "acked.json")
 
 

@@ -21,6 +21,7 @@ per step, overlapped with nothing but small next to the step (measured in `scatt
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -77,8 +78,6 @@ class StepBatch:
 
 class Learner:
     def __init__(self, cfg: RunConfig, policy_id: str, stop: threading.Event) -> None:
-        import os
-
         self.policy_id = policy_id
         self.cfg = cfg = policy_view(cfg, policy_id)
         self.suffix = role_suffix(cfg, policy_id)
@@ -312,7 +311,8 @@ class Learner:
             )
 
     def record(self, step: StepBatch, stats: dict[str, float], **timing: float) -> None:
-        if not self.dist.is_main:
+        if not self.dist.is_main:  # this rank's own timings, on its Prometheus endpoint
+            self.metrics.step(self.version, {**timing, "wait_frac": timing["wait_s"] / timing["step_s"]})
             return
         s, lc = step, self.cfg.learner
         trained = s.trained
