@@ -7,8 +7,10 @@ changes. Measured on the learner after `--warmup` steps: trajectories trained pe
 (wall clock between the metrics lines), tokens (or env steps) per second, and the share of the
 step spent waiting for data (sum of wait_s / sum of step_s). max_staleness 0 (synchronous:
 rollouts wait for every new version) is the baseline; the speed-up of the others is against it.
+On a shared machine the load drifts between runs: `--repeats R` runs the settings R times in
+mirrored order (0 1 2 4 4 2 1 0 ...) and reports each setting's median.
 
-    python benchmarks/learner_step.py [--config configs/quickstart.yaml] [--steps 60] [--out PATH]
+    python benchmarks/learner_step.py [--config configs/quickstart.yaml] [--steps 60] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,29 +78,41 @@ def measure(
     }
 
 
+def median_row(runs: list[dict]) -> dict:
+    """Median of every number over the repeats of one setting."""
+    out = {
+        k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))
+    }
+    out["max_staleness"] = runs[0]["max_staleness"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learner_step.json")
     parser.add_argument("overrides", nargs="*", help="config overrides applied to every run")
     args = parser.parse_args()
     if args.warmup < 1 or args.warmup >= args.steps:
         parser.error("--warmup must be in [1, steps)")
     console = Console(width=170)
-    rows = []
+    order = [s for r in range(args.repeats) for s in (args.staleness if r % 2 == 0 else args.staleness[::-1])]
+    runs = []
     with tempfile.TemporaryDirectory(prefix="sluice-learner-step-") as tmp:
-        for s in args.staleness:
-            with console.status(f"max_staleness={s}: {args.steps} learner steps"):
-                rows.append(
-                    measure(args.config, s, args.steps, args.warmup, Path(tmp) / f"s{s}", args.overrides)
+        for i, s in enumerate(order):
+            with console.status(f"run {i + 1}/{len(order)}: max_staleness={s}, {args.steps} learner steps"):
+                runs.append(
+                    measure(args.config, s, args.steps, args.warmup, Path(tmp) / f"r{i}", args.overrides)
                 )
             console.print(
-                f"max_staleness={s}: {rows[-1]['samples_per_s']:.1f} samples/s, "
-                f"wait {100 * rows[-1]['wait_frac']:.0f}%"
+                f"max_staleness={s}: {runs[-1]['samples_per_s']:.1f} samples/s, "
+                f"wait {100 * runs[-1]['wait_frac']:.0f}% (load {runs[-1]['load_before']:.1f})"
             )
+    rows = [median_row([r for r in runs if r["max_staleness"] == s]) for s in args.staleness]
     base = next((r for r in rows if r["max_staleness"] == 0), rows[0])
     for r in rows:
         r["speedup_vs_baseline"] = r["samples_per_s"] / base["samples_per_s"]
@@ -138,12 +153,14 @@ def main() -> None:
     args.out.write_text(
         json.dumps(
             {
+                "runs_raw": runs,
+                "repeats": args.repeats,
                 "config": str(args.config),
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "overrides": args.overrides,
                 "cpus": os.cpu_count(),
-                "runs": rows,
+                "medians": rows,
             },
             indent=2,
         )

@@ -170,6 +170,8 @@ def test_config_kinds_must_agree():
         load_config(None, ["learner.loss.type=vtrace"])
     with pytest.raises(ConfigError, match="several policies need rollout.kind=env"):
         load_config(None, ["learner.policies=[a, b]"])
+    with pytest.raises(ConfigError, match="trained leases are held"):
+        load_config(None, ["learner.checkpoint_every=10", "buffer.capacity=1000"])
     with pytest.raises(ConfigError, match="policy ids must be unique"):
         load_config(None, ["rollout.kind=env", "model.kind=mlp", "learner.policies=[a, a]"])
 

@@ -62,6 +62,13 @@ class RunConfig(Section):
         classic = self.learner.loss.type == "vtrace"
         if classic and self.rollout.kind != "env":
             raise ValueError("learner.loss.type=vtrace is for classic RL: it needs rollout.kind=env")
+        held = (self.learner.checkpoint_every + 1) * self.learner.batch_size * len(self.learner.policies)
+        if self.learner.checkpoint_every and held > self.buffer.capacity * self.buffer.shards:
+            raise ValueError(
+                f"learner.checkpoint_every={self.learner.checkpoint_every}: trained leases are held until "
+                f"the next checkpoint (up to {held} trajectories with the prefetched batch), more than the "
+                f"buffer holds (buffer.capacity x shards = {self.buffer.capacity * self.buffer.shards})"
+            )
         if self.rollout.kind == "llm" and len(self.learner.policies) > 1:
             raise ValueError(
                 "learner.policies: several policies need rollout.kind=env (the LLM rollout loop "
