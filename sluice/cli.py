@@ -5,7 +5,7 @@ modules, call `run_<role>`.
     sluice ray CONFIG [key=value ...]                 every role on a Ray cluster
     sluice buffer CONFIG [--shard K] [key=value ...]  one buffer shard
     sluice rollout CONFIG [--index I] [key=value ...] one rollout service
-    sluice learner CONFIG [key=value ...]             the learner
+    sluice learner CONFIG [--policy P] [key=value ...] one rank of a learner group
     sluice status CONFIG|RUN_DIR [--once] [--json]    live table of every role of a run
     sluice config CONFIG [key=value ...]              print the resolved config (checks it)
     sluice keys DIR                                   CURVE key pairs for security.curve
@@ -50,13 +50,20 @@ def _load(config: str, overrides: list[str] | None) -> RunConfig:
 
 
 def _validate_plugins(cfg: RunConfig) -> None:
-    """Fail before starting processes if the task config is wrong."""
-    from rollout_svc.tasks.registry import build_task
-
+    """Fail before starting processes if the task (or environment) config is wrong."""
     try:
+        if cfg.rollout.kind == "env":
+            from sluice.modeling.policy import env_spaces
+
+            env_spaces(cfg.env.id, cfg.env.kwargs)
+            return
+        from rollout_svc.tasks.registry import build_task
+
         build_task(cfg.task, seed=0)
     except ConfigError as e:
         raise _fail(str(e)) from None
+    except Exception as e:  # gymnasium raises many kinds for a bad id or kwargs
+        raise _fail(f"config error: env: {e}") from None
 
 
 def _index(explicit: int | None) -> int:
@@ -123,22 +130,43 @@ def rollout(
         typer.Option(help="service index (default: SLUICE_INDEX, SLURM_PROCID, JOB_COMPLETION_INDEX, 0)"),
     ] = None,
 ) -> None:
-    """Run one rollout service."""
+    """Run one rollout service (`rollout.kind` llm: LLM generation; env: gymnasium envs)."""
     cfg = _load(config, overrides)
     _validate_plugins(cfg)
     i = _index(index)
-    from rollout_svc.service import run_rollout
+    if cfg.rollout.kind == "env":
+        from rollout_svc.env_service import run_env_rollout as run_rollout
+    else:
+        from rollout_svc.service import run_rollout
 
     raise typer.Exit(run_role(f"rollout-{i}", lambda stop: run_rollout(cfg, i, stop)))
 
 
 @app.command()
-def learner(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Run the learner."""
+def learner(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    policy: Annotated[
+        str | None, typer.Option(help="policy id (default: the first of learner.policies)")
+    ] = None,
+) -> None:
+    """Run one rank of a learner group (RANK/WORLD_SIZE/MASTER_* from the environment, as
+    torchrun sets them; unset: a group of one)."""
+    import os
+
+    from sluice.config.policy import learner_role, policy_index
+
     cfg = _load(config, overrides)
+    policy_id = policy or cfg.learner.policies[0]
+    try:
+        policy_index(cfg, policy_id)
+    except ValueError as e:
+        typer.echo(f"config error: --policy: {e}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
     from learner.loop import run_learner
 
-    raise typer.Exit(run_role("learner", lambda stop: run_learner(cfg, stop)))
+    role = learner_role(cfg, policy_id, int(os.environ.get("RANK", "0")))
+    raise typer.Exit(run_role(role, lambda stop: run_learner(cfg, stop, policy_id)))
 
 
 @app.command()
