@@ -128,31 +128,6 @@ def load_rng(checkpoint: Path, rank: int, generator: torch.Generator) -> None:
 # -- export ------------------------------------------------------------------------------------
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Copy the Hugging Face model directory of a checkpoint (a step_<v> directory, or a
-    checkpoints directory: its `latest`) to `out_dir`, without trainer state. The result loads
-    with transformers' Auto classes (an MLP policy after `import sluice.modeling.mlp`)."""
-    src = Path(checkpoint)
-    if (src / "latest").exists():
-        src = (src / "latest").resolve()
-    if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{src}: not a checkpoint (no config.json)")
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out}: exists and is not empty")
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for item in src.iterdir():
-        if item.name in HF_FILES_EXCLUDED or item.name.startswith("rng_rank") or item.is_dir():
-            continue
-        shutil.copy2(item, tmp / item.name)
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
-    return out
-
-
 def _link_latest(root: Path, final: Path) -> None:
     tmp_link = root / ".latest.tmp"
     tmp_link.unlink(missing_ok=True)

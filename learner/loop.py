@@ -147,7 +147,9 @@ class Learner:
             on_dropped=self.control.release,
             ctx=client_ctx,
         )
-        self.broadcaster = WeightBroadcaster(cfg.weight_sync, self.dist.device, cfg.model.dtype)
+        self.broadcaster = WeightBroadcaster(
+            cfg.weight_sync, self.dist.device, cfg.model.dtype, zmq_ctx=secure_context(cfg.security, "server")
+        )
         self.audit = (
             JsonlLog(cfg.run_dir / "metrics" / f"consumed{self.suffix}.jsonl") if lc.audit_consumed else None
         )

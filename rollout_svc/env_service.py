@@ -80,13 +80,14 @@ class EnvRolloutService:
         model, _ = load_policy_model(cfg, materialize_policy_dir(cfg), torch.device("cpu"))
         self.actor = MLPActor(model, seed=cfg.rollout.seed + 1000 * index)
         self.runner = GymRunner(cfg.env, seed=cfg.env.seed + 10000 * index)
+        zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
         self.receiver = WeightReceiver(
             cfg.weight_sync,
             service_id=self.service_id,
             device=torch.device("cpu"),
             control_endpoint=cfg.control.endpoint,
+            zmq_ctx=zmq_ctx,
         )
-        zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
         self.buffer = BufferClient(
             cfg.buffer.all_endpoints(),
             should_abort=lambda: self.stop.is_set() or self.receiver.finished.is_set(),

@@ -74,8 +74,8 @@ class RolloutService:
         self.tokenizer = self.engine.tokenizer
         self._check_vocabulary()
         self.sampling = SamplingParams(rc.max_new_tokens, rc.temperature, rc.on_new_weights)
-        self.weights: WeightFeed = self._make_weight_feed()
         self.zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
+        self.weights: WeightFeed = self._make_weight_feed()
         self.buffer = BufferClient(
             cfg.buffer.all_endpoints(),
             should_abort=lambda: self.stop.is_set() or self.weights.done,
@@ -104,6 +104,7 @@ class RolloutService:
             service_id=self.service_id,
             device=torch.device("cpu"),
             control_endpoint=self.cfg.control.endpoint,
+            zmq_ctx=self.zmq_ctx,
         )
         return ReceiverFeed(receiver)
 

@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from learner.checkpoint import save_checkpoint
-from sluice.config.model import ModelConfig
+from learner.dist import DistContext
+from learner.trainer import Trainer
+from sluice.config.loader import load_config
 from sluice.export import ExportError, export_checkpoint, resolve_checkpoint
-from sluice.modeling import load_policy, materialize_model_dir
+from sluice.modeling import load_policy
+from sluice.modeling.policy import materialize_policy_dir
 from sluice.plots import write_run_plots
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,14 +26,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture
 def run_with_checkpoint(tmp_path):
+    """A run directory with a real learner checkpoint (model, optimizer, trainer state)."""
     run_dir = tmp_path / "run"
-    model, tokenizer = load_policy(materialize_model_dir(ModelConfig(), run_dir))
+    cfg = load_config(None, [f"run.dir={run_dir}"])
+    trainer = Trainer(cfg, DistContext(), materialize_policy_dir(cfg))
     with torch.no_grad():
-        for p in model.parameters():
+        for p in trainer.model.parameters():
             p.add_(0.01)  # trained weights differ from the initial ones
-    opt = torch.optim.AdamW(model.parameters())
-    save_checkpoint(run_dir, 7, model, tokenizer, opt, {"samples": 1})
-    return run_dir, model
+    save_checkpoint(run_dir / "checkpoints", 7, trainer, DistContext(), {"totals": {"samples": 1}}, keep=1)
+    return run_dir, trainer.model
 
 
 def test_export_writes_model_and_tokenizer_only(run_with_checkpoint, tmp_path):
@@ -39,7 +43,7 @@ def test_export_writes_model_and_tokenizer_only(run_with_checkpoint, tmp_path):
     out = export_checkpoint(run_dir, tmp_path / "hf")
     names = {p.name for p in out.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= names
-    assert not names & {"optimizer.pt", "trainer_state.json"}
+    assert not names & {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_rank0.pt"}
     exported, tokenizer = load_policy(out)
     for (name, a), (_, b) in zip(model.named_parameters(), exported.named_parameters()):
         assert torch.equal(a, b), name

@@ -12,13 +12,14 @@ import torch
 
 from buffer.client import BufferClient
 from learner.balance import assign_to_ranks, balance
-from learner.checkpoint import export_hf, load_rng, read_state, resolve_resume, rng_state, save_checkpoint
+from learner.checkpoint import load_rng, read_state, resolve_resume, rng_state, save_checkpoint
 from learner.dist import DistContext
 from learner.schedule import lr_factor
 from learner.source import BatchSource
 from learner.trainer import Trainer
 from learner.transfer import pack, unpack
 from sluice.config import LearnerConfig, load_config
+from sluice.export import ExportError, export_checkpoint
 from sluice.modeling.policy import materialize_policy_dir
 from sluice.trajectory import Trajectory
 
@@ -212,7 +213,7 @@ def test_checkpoint_restores_model_optimizer_and_state_and_exports(tmp_path, kin
     assert s1["state"].keys() == s2["state"].keys()
     assert all(torch.equal(s1["state"][k]["exp_avg"], s2["state"][k]["exp_avg"]) for k in s1["state"])
     assert again.backend.scheduler.last_epoch == trainer.backend.scheduler.last_epoch == 1
-    out = export_hf(root, tmp_path / "export")
+    out = export_checkpoint(root, tmp_path / "export")
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors"} <= names
     assert not names & {"optimizer.pt", "scheduler.pt", "trainer_state.json", "rng_rank0.pt"}
@@ -226,8 +227,8 @@ def test_checkpoint_restores_model_optimizer_and_state_and_exports(tmp_path, kin
         loaded = MLPPolicy.from_pretrained(out)
     for (name, a), (_, b) in zip(trainer.model.named_parameters(), loaded.named_parameters()):
         assert torch.equal(a, b), name
-    with pytest.raises(FileExistsError):
-        export_hf(root, out)
+    with pytest.raises(ExportError, match="not empty"):
+        export_checkpoint(root, out)
     with pytest.raises(FileNotFoundError):
         resolve_resume(str(tmp_path), root)
 

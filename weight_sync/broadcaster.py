@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+import zmq
 from prometheus_client import CollectorRegistry
 
 from sluice.config.weight_sync import WeightSyncConfig
@@ -127,8 +128,10 @@ class WeightBroadcaster:
         model_dtype: str = "float32",
         *,
         learner_rank: int = 0,
+        zmq_ctx: zmq.Context | None = None,
     ) -> None:
         self.cfg = cfg
+        self.zmq_ctx = zmq_ctx  # for the snapshot server; a secure context with security.curve
         self.device = device
         self.wire_dtype = TORCH_DTYPES[model_dtype if cfg.dtype == "auto" else cfg.dtype]
         self.learner_rank = learner_rank
@@ -169,7 +172,7 @@ class WeightBroadcaster:
         if control is not None:
             control.attach_membership(self.membership)
         self.store = open_store(self.cfg.master_addr, self.cfg.master_port, True, self.cfg.timeout_s)
-        self.transfer = SnapshotServer(self.cfg.transfer, self.cfg.master_addr)
+        self.transfer = SnapshotServer(self.cfg.transfer, self.cfg.master_addr, ctx=self.zmq_ctx)
         self.transfer.start()
         self.store.set(HEAD_KEY, b"0")
         self.store.set(TRANSFER_KEY, self.transfer.endpoint.encode())

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import zmq
 
 from sluice.config.weight_sync import WeightSyncConfig
 from sluice.control.client import ControlClient
@@ -83,6 +84,7 @@ class WeightReceiver:
         device: torch.device = torch.device("cpu"),
         *,
         control_endpoint: str | None = None,
+        zmq_ctx: zmq.Context | None = None,
         expected: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
         """`service_id`: who this receiver is in the membership (one per rollout service).
@@ -94,6 +96,7 @@ class WeightReceiver:
         self.service_id = service_id
         self.incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.control_endpoint = control_endpoint
+        self.zmq_ctx = zmq_ctx  # None: plain sockets; a secure context with security.curve
         self.device = device
         self.expected = {k: list(v) for k, v in expected.items()} if expected is not None else None
         self.error: BaseException | None = None
@@ -165,7 +168,7 @@ class WeightReceiver:
                 wait_for_workers=False,
             )
             endpoint = self.control_endpoint or self._store.get(CONTROL_KEY).decode()
-            self._control = ControlClient(endpoint, timeout_s=min(10.0, self.cfg.timeout_s))
+            self._control = ControlClient(endpoint, timeout_s=min(10.0, self.cfg.timeout_s), ctx=self.zmq_ctx)
             shutdown = self._follow()
         except BaseException as e:  # noqa: BLE001 - surfaced to the rollout loop via .error
             if not self._stop.is_set():
@@ -261,6 +264,7 @@ class WeightReceiver:
                 newer_than=self.version,
                 device=self.device,
                 should_stop=self._stop.is_set,
+                ctx=self.zmq_ctx,
             )
         except TransferError as e:
             if not self._stop.is_set():

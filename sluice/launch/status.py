@@ -89,9 +89,15 @@ def _control_rows(cfg: RunConfig, snap: Snapshot, ctx, timeout_s: float) -> tupl
         samples_per_s=status.learner.get("samples_per_s"),
         staleness=status.learner.get("staleness_mean"),
     )
+    # A service heartbeats as `<role>.<incarnation>`: show each role once, by its newest life.
+    newest: dict[str, object] = {}
+    for sid, s in status.services.items():
+        role = sid.split(".", 1)[0]
+        if role not in newest or s.age_s < newest[role].age_s:
+            newest[role] = s
     rows = []
-    for sid in sorted(status.services, key=_role_key):
-        s = status.services[sid]
+    for sid in sorted(newest, key=_role_key):
+        s = newest[sid]
         version = s.stats.get("version")
         gen_s = s.stats.get("generate_s", 0.0)
         rows.append(
