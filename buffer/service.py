@@ -8,6 +8,7 @@ from buffer.metrics import ShardMetrics
 from buffer.server import ShardServer
 from sluice.config.run import RunConfig
 from sluice.metrics import PrometheusEndpoint, record_endpoint
+from sluice.security import secure_context
 
 
 def run_buffer(cfg: RunConfig, shard: int, stop: threading.Event) -> int:
@@ -15,7 +16,10 @@ def run_buffer(cfg: RunConfig, shard: int, stop: threading.Event) -> int:
         raise ValueError(f"--shard {shard}: buffer.shards is {cfg.buffer.shards}")
     log_dir = cfg.buffer.shard_log_dir(shard, cfg.run_dir if cfg.run.dir is not None else None)
     prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("buffer", shard))
-    server = ShardServer(cfg.buffer, shard, log_dir=log_dir, metrics=ShardMetrics(prom.registry, shard))
+    metrics = ShardMetrics(prom.registry, shard)
+    server = ShardServer(
+        cfg.buffer, shard, log_dir=log_dir, metrics=metrics, ctx=secure_context(cfg.security, "server")
+    )
     port = prom.start()
     if cfg.run.dir is not None:
         record_endpoint(cfg.run_dir, f"buffer-{shard}", metrics_port=port, endpoint=server.endpoint)

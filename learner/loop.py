@@ -1,220 +1,405 @@
-"""The learner: receive a batch under the staleness bound, train, publish, acknowledge.
+"""The learner group of one policy: receive a batch under the staleness bound, train, publish,
+checkpoint, acknowledge.
 
-Version `v` = optimizer steps taken = the policy version rollouts tag their samples with.
-The step that turns v into v+1 only consumes samples with `v - sample.version <=
-max_staleness`: the buffer drops older ones when asked with `min_version = v - max_staleness`,
-and this loop checks again (a safety net that counts, and never trains on, a violation).
+Version `v` = learner steps taken = the policy version rollouts tag their samples with. The
+step that turns v into v+1 only consumes samples with `v - sample.version <= max_staleness`:
+the buffer drops older ones when asked with `min_version = v - max_staleness`, and this loop
+checks again (a safety net that counts, and never trains on, a violation).
+
+How K ranks share the work. Rank 0 alone talks to the buffer: its prefetch thread leases the
+next batch (whole groups) while the current step trains. Rank 0 then checks staleness, splits
+the batch over the ranks by token count (whole groups stay together, so group-normalised
+advantages are exact on each rank) and scatters the parts over a gloo group. Rank 0 holds
+every lease and ACKs after the step (after the next checkpoint, when checkpoints are on; see
+learner/leases.py), so exactly-once needs no coordination between ranks. Rank 0 also serves
+the control server and the weight channel. Why not let every rank GET its own share: the
+buffer can only count trajectories, not balance tokens across ranks, and leases spread over K
+processes would make a crash of any rank a partial-batch problem. The price is one scatter
+per step, overlapped with nothing but small next to the step (measured in `scatter_s`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from buffer.client import BufferClient, LeasedBatch
-from learner.batch import collate, token_logprobs
-from learner.checkpoint import save_checkpoint
-from learner.losses.grpo import group_advantages, group_indices, grpo_loss
+from buffer.client import BufferClient
+from learner.balance import assign_to_ranks
+from learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
+from learner.dist import DistContext, init_dist
+from learner.leases import LeaseLedger
 from learner.metrics import LearnerMetrics
+from learner.source import BatchSource, FetchedBatch
+from learner.trainer import Trainer
+from learner.transfer import pack, unpack
+from sluice.config.policy import policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer
-from sluice.modeling import load_policy, materialize_model_dir
+from sluice.metrics import JsonlLog
+from sluice.modeling.policy import materialize_policy_dir
+from sluice.security import secure_context
 from sluice.trajectory import Trajectory
 from weight_sync.broadcaster import WeightBroadcaster
 
 log = logging.getLogger(__name__)
 
+STOP, TRAIN, SKIP = 0, 1, 2  # what rank 0 tells the group at the start of a step
 
-def pick_device(kind: str) -> torch.device:
+
+def pick_device(kind: str, local_rank: int = 0) -> torch.device:
     if kind == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda")
+            return torch.device("cuda", local_rank)
         if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
-            return torch.device("npu")
+            return torch.device("npu", local_rank)
         return torch.device("cpu")
-    return torch.device(kind)
+    return torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")
 
 
 @dataclass
-class ReceivedBatch:
-    trajs: list[Trajectory]
-    leased: LeasedBatch
-    wait_s: float
-    dropped_stale: int
-    violations: int  # samples the buffer let through although too stale (never trained on)
+class StepBatch:
+    local: list[Trajectory]  # this rank's share
+    checkpoint_after: bool
+    # rank 0 only:
+    fetched: FetchedBatch | None = None
+    trained: list[Trajectory] = field(default_factory=list)  # every rank's share together
+    violations: int = 0
+    skipped: list[str] = field(default_factory=list)
+    fetch_wait_s: float = 0.0
+    scatter_s: float = 0.0
 
 
 class Learner:
-    def __init__(self, cfg: RunConfig, stop: threading.Event) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, policy_id: str, stop: threading.Event) -> None:
+        self.policy_id = policy_id
+        self.cfg = cfg = policy_view(cfg, policy_id)
+        self.suffix = role_suffix(cfg, policy_id)
         self.stop = stop
         lc = cfg.learner
         torch.set_num_threads(lc.torch_threads)
         torch.manual_seed(cfg.run.seed)
-        self.device = pick_device(lc.device)
-        model_dir = materialize_model_dir(cfg.model, cfg.run_dir)
-        self.model, self.tokenizer = load_policy(model_dir, cfg.model.dtype, self.device)
-        self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay
+        # Before joining the group: with torch.distributed up, transformers' save_pretrained
+        # writes nothing on ranks other than 0, so a rank building the directory would not.
+        model_dir = materialize_policy_dir(cfg)
+        self.dist: DistContext = init_dist(lc, pick_device(lc.device, int(os.environ.get("LOCAL_RANK", 0))))
+        self.ckpt_root = cfg.run_dir / f"checkpoints{self.suffix}"
+        resume = resolve_resume(lc.resume, self.ckpt_root)
+        state = read_state(resume) if resume is not None else {}
+        self.trainer = Trainer(cfg, self.dist, model_dir, resume)
+        if resume is not None:
+            load_rng(resume, self.dist.rank, self.trainer.generator)
+        self.version = int(state.get("version", 0))
+        self.last_checkpoint = self.version if resume is not None else -1
+        self.totals = {
+            "samples": 0,
+            "tokens": 0,
+            "dropped_stale": 0,
+            "violations": 0,
+            "skipped": 0,
+            "episodes": 0,
+            **state.get("totals", {}),
+        }
+        self.returns: deque[float] = deque(state.get("returns", []), maxlen=lc.return_window)
+        self.metrics = LearnerMetrics(cfg, policy_id, self.dist.rank, self.version if resume else None)
+        if self.dist.is_main:
+            self._init_main(state, resumed=resume is not None)
+        log.info(
+            "learner %s rank %d/%d ready at version %d%s",
+            policy_id,
+            self.dist.rank,
+            self.dist.world,
+            self.version,
+            f" (resumed from {resume})" if resume else "",
         )
-        self.version = 0
-        self.buffer = BufferClient(cfg.buffer.all_endpoints())
-        self.broadcaster = WeightBroadcaster(
-            cfg.weight_sync, cfg.rollout.services, self.device, cfg.model.dtype
-        )
-        self.metrics = LearnerMetrics(cfg)
+
+    def _init_main(self, state: dict, resumed: bool) -> None:
+        cfg, lc = self.cfg, self.cfg.learner
+        client_ctx = secure_context(cfg.security, "client")  # None: plain sockets
+        self.buffer = BufferClient(cfg.buffer.all_endpoints(), ctx=client_ctx)
+        self.ledger = LeaseLedger.from_state(state.get("leases", {}))
+        if resumed:
+            self._settle_resumed(state)
+        admission = AdmissionPolicy(lc.batch_size, lc.max_staleness, started=self.version * lc.batch_size)
         self.control = ControlServer(
             cfg.control.bind_endpoint,
-            AdmissionPolicy(lc.batch_size, lc.max_staleness),
+            admission,
             service_timeout_s=cfg.control.service_timeout_s,
+            ctx=secure_context(cfg.security, "server"),
         )
-        self.totals = {"samples": 0, "tokens": 0, "dropped_stale": 0, "violations": 0}
-
-    # -- named steps ---------------------------------------------------------------------------
-
-    def receive_batch(self) -> ReceivedBatch | None:
-        """Lease whole groups until batch_size trajectories, none older than the bound."""
-        lc = self.cfg.learner
-        min_version = self.version - lc.max_staleness
-        leased = LeasedBatch()
-        t0 = time.perf_counter()
-        while len(leased.trajs) < lc.batch_size:
-            if self.stop.is_set():
-                if leased.leases:
-                    self.buffer.nack(leased)
-                return None
-            part = self.buffer.get(
-                lc.batch_size - len(leased.trajs), min_version=min_version, wait_ms=lc.get_wait_ms
-            )
-            # Dropped samples give their admission quota back at once: held until the batch
-            # is complete, they could starve it (with max_staleness 0, every stale sample
-            # holds quota the replacement needs).
-            self.control.release(part.dropped_stale)
-            leased.extend(part)
-        fresh = [t for t in leased.trajs if t.version >= min_version]
-        return ReceivedBatch(
-            trajs=fresh,
-            leased=leased,
-            wait_s=time.perf_counter() - t0,
-            dropped_stale=leased.dropped_stale,
-            violations=len(leased.trajs) - len(fresh),
+        self.control.set_version(self.version)
+        self.source = BatchSource(
+            cfg.buffer.all_endpoints(),
+            self.policy_id,
+            lc,
+            self.stop,
+            cfg.buffer.lease_timeout_s,
+            # Dropped samples give their admission quota back as each GET reports them: held
+            # until the batch is complete they could starve it (with max_staleness 0, every
+            # stale sample holds quota its replacement needs).
+            on_dropped=self.control.release,
+            ctx=client_ctx,
         )
-
-    def train_step(self, trajs: list[Trajectory]) -> dict[str, float]:
-        lc = self.cfg.learner
-        batch = collate(trajs, self.tokenizer.pad_token_id)
-        batch = _to_device(batch, self.device)
-        adv = group_advantages(
-            batch.rewards.cpu(),
-            group_indices(batch.group_ids),
-            eps=lc.loss.adv_eps,
-            normalize_std=lc.loss.normalize_std,
-        ).to(self.device)
-        logp = token_logprobs(self.model, batch, self.cfg.rollout.temperature)
-        out = grpo_loss(logp, batch.behaviour_logprobs, adv, batch.completion_mask, lc.loss.is_cap)
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), lc.grad_clip)
-        self.optimizer.step()
-        staleness = (self.version - batch.versions).float()
-        return {
-            "loss": float(out.loss.detach()),
-            "grad_norm": float(grad_norm),
-            "is_weight_mean": out.is_weight_mean,
-            "is_truncated_frac": out.is_truncated_frac,
-            "log_ratio_abs_mean": out.log_ratio_abs_mean,
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std()) if len(trajs) > 1 else 0.0,
-            "staleness_mean": float(staleness.mean()),
-            "staleness_max": float(staleness.max()),
-            "samples": len(trajs),
-            "tokens": batch.n_tokens,
-        }
-
-    def publish_weights(self) -> float:
-        stats = self.broadcaster.publish(self.version, self.model)
-        self.control.set_published(self.version)
-        return stats.seconds
-
-    def checkpoint(self) -> None:
-        path = save_checkpoint(
-            self.cfg.run_dir, self.version, self.model, self.tokenizer, self.optimizer, dict(self.totals)
+        self.broadcaster = WeightBroadcaster(
+            cfg.weight_sync, self.dist.device, cfg.model.dtype, zmq_ctx=secure_context(cfg.security, "server")
         )
-        log.info("checkpoint v%d -> %s", self.version, path)
+        self.audit = (
+            JsonlLog(cfg.run_dir / "metrics" / f"consumed{self.suffix}.jsonl") if lc.audit_consumed else None
+        )
+        if self.audit is not None and resumed:
+            self.audit.write({"resumed_from": self.version})
+
+    def _settle_resumed(self, state: dict) -> None:
+        """The checkpoint lists the leases trained since the one before; ACK them unless the
+        previous life did (acked.json), and never train again on those that were lost."""
+        acked = state.get("acked")
+        if acked is not None:
+            self.ledger.pending.clear()
+            self.ledger.skip_ids.update(acked["skip_ids"])
+            return
+        n, lost = self.ledger.settle(self.buffer)
+        log.info("resume: ACKed %d trajectories of the checkpoint's leases, %d ids to skip", n, len(lost))
 
     # -- loop ----------------------------------------------------------------------------------
 
     def run(self) -> int:
         lc, ws = self.cfg.learner, self.cfg.weight_sync
-        self.metrics.start()
-        self.control.start()
-        self.broadcaster.start()
+        self.start()
         self.publish_weights()
-        while self.version < lc.total_steps and not self.stop.is_set():
+        while self.version < lc.total_steps:
             t0 = time.perf_counter()
-            received = self.receive_batch()
-            if received is None:
+            step = self.receive_batch()
+            if step is None:
                 break
-            self.control.release(received.violations)
             t1 = time.perf_counter()
-            stats = self.train_step(received.trajs) if received.trajs else {}
+            stats = self.trainer.train_step(step.local) if step.local is not None else {}
             t2 = time.perf_counter()
-            self.version += 1
-            self.buffer.ack(received.leased)
-            sync_s = self.publish_weights() if self.version % ws.every == 0 else 0.0
-            self.control.set_version(self.version)  # admits new work once its weights are out
+            if step.local is not None:
+                self.version += 1
+            self.consumed(step)
+            sync_s = (
+                self.publish_weights() if step.local is not None and self.version % ws.every == 0 else 0.0
+            )
             t3 = time.perf_counter()
-            self._account(received, stats)
-            step_s = t3 - t0
-            record = {
-                **stats,
-                "wait_s": t1 - t0,
-                "compute_s": t2 - t1,
-                "sync_s": sync_s,
-                "step_s": step_s,
-                "wait_frac": (t1 - t0) / step_s,
-                "samples_per_s": stats.get("samples", 0) / step_s,
-                "dropped_stale": received.dropped_stale,
-                "staleness_violations": received.violations,
-                **{f"total_{k}": v for k, v in self.totals.items()},
-            }
-            self.metrics.step(self.version, record)
-            self.control.update_learner({k: float(v) for k, v in record.items()})
-            if lc.checkpoint_every and self.version % lc.checkpoint_every == 0:
+            if step.checkpoint_after:
                 self.checkpoint()
-        self.checkpoint()
+            t4 = time.perf_counter()
+            if step.local is not None:
+                self.record(
+                    step,
+                    stats,
+                    wait_s=t1 - t0,
+                    compute_s=t2 - t1,
+                    sync_s=sync_s,
+                    ckpt_s=t4 - t3,
+                    step_s=t4 - t0,
+                )
+        if self.last_checkpoint != self.version:
+            self.checkpoint()
         return 0
 
-    def _account(self, received: ReceivedBatch, stats: dict[str, float]) -> None:
-        self.totals["samples"] += int(stats.get("samples", 0))
-        self.totals["tokens"] += int(stats.get("tokens", 0))
-        self.totals["dropped_stale"] += received.dropped_stale
-        self.totals["violations"] += received.violations
+    def start(self) -> None:
+        self.metrics.start()
+        if self.dist.is_main:
+            self.control.start()
+            # membership (JOIN / LEAVE / SYNC_REPORT) runs on this learner's control plane
+            self.broadcaster.start(self.control, self.cfg.control.endpoint, self.metrics.prom.registry)
+            if self.version < self.cfg.learner.total_steps:
+                self.source.request(self.version)
+
+    # -- named steps ---------------------------------------------------------------------------
+
+    def receive_batch(self) -> StepBatch | None:
+        """Collective. Rank 0 takes the prefetched batch, checks it, splits it by tokens and
+        scatters it; every rank returns its share (None: the run stops). A batch with nothing
+        to train on (all too stale or already trained) comes back with `local=None`."""
+        header, parts, step = [STOP, 0], None, None
+        if self.dist.is_main:
+            step, header, parts = self._take_and_split()
+        t0 = time.perf_counter()
+        action, checkpoint_after = self.dist.broadcast_ints(header, 2)
+        if action == STOP:
+            return None
+        if action == SKIP:
+            return step or StepBatch(local=None, checkpoint_after=bool(checkpoint_after))
+        data = self.dist.scatter_bytes(parts)
+        if step is None:
+            return StepBatch(local=unpack(data), checkpoint_after=bool(checkpoint_after))
+        step.scatter_s = time.perf_counter() - t0
+        return step
+
+    def _take_and_split(self):
+        lc = self.cfg.learner
+        t0 = time.perf_counter()
+        fetched = None if self._should_stop() else self.source.take()
+        if fetched is None:
+            return None, [STOP, 0], None
+        assert fetched.version == self.version
+        fresh = [t for t in fetched.leased.trajs if t.version >= fetched.min_version]
+        trainable, skipped = self.ledger.filter(fresh)
+        next_version = self.version + 1 if trainable else self.version
+        if next_version < lc.total_steps:
+            self.source.request(next_version)  # prefetch while this step trains
+        due = lc.checkpoint_every > 0 and (
+            (bool(trainable) and next_version % lc.checkpoint_every == 0)
+            or self.ledger.oldest_age() > self.cfg.buffer.lease_timeout_s / 2
+        )
+        step = StepBatch(
+            local=None,
+            checkpoint_after=due,
+            fetched=fetched,
+            trained=trainable,
+            violations=len(fetched.leased.trajs) - len(fresh),
+            skipped=skipped,
+            fetch_wait_s=time.perf_counter() - t0,
+        )
+        if not trainable:
+            return step, [SKIP, int(due)], None
+        obj = self.trainer.objective
+        costs = [obj.cost(t) for t in trainable]
+        groups = [t.group_id for t in trainable] if obj.whole_groups else None
+        shares = [[trainable[i] for i in ix] for ix in assign_to_ranks(costs, groups, self.dist.world)]
+        step.local = shares[0]
+        return step, [TRAIN, int(due)], [b""] + [pack(s) for s in shares[1:]]
+
+    def _should_stop(self) -> bool:
+        target = self.cfg.learner.target_return
+        reached = (
+            target is not None
+            and len(self.returns) == self.returns.maxlen
+            and float(np.mean(self.returns)) >= target
+        )
+        if reached:
+            log.info("mean return of the last %d episodes reached %.1f: stopping", len(self.returns), target)
+        return self.stop.is_set() or reached
+
+    def consumed(self, step: StepBatch) -> None:
+        """Rank 0: the step's leases join the ledger; ACKed now unless checkpoints hold them."""
+        if not self.dist.is_main:
+            return
+        fetched = step.fetched
+        self.control.release(step.violations)  # dropped samples were released as they came
+        self.ledger.add(fetched.leased, step.skipped, fetched.leased_at)
+        if self.audit is not None:
+            self.audit.write(
+                {
+                    "version": self.version,
+                    "trained": [t.traj_id for t in step.trained],
+                    "skipped": step.skipped,
+                }
+            )
+        if self.cfg.learner.checkpoint_every == 0:
+            self.ledger.settle(self.buffer)
+
+    def publish_weights(self) -> float:
+        """Collective under ZeRO-3 (parameters are gathered); rank 0 broadcasts to the current
+        members, late joiners pull this version's snapshot. A receiver that fails costs at most
+        the weight-sync timeouts, never a hang."""
+        t0 = time.perf_counter()
+        with self.trainer.backend.full_params():
+            if self.dist.is_main:
+                stats = self.broadcaster.publish(self.version, self.trainer.model)
+                if stats.retried:
+                    log.warning(
+                        "weight sync v%d: group rebuilt during the publish (delivered=%s)",
+                        stats.version,
+                        stats.delivered,
+                    )
+        if self.dist.is_main:
+            self.control.set_published(self.version)
+            self.control.set_version(self.version)  # admits new work once its weights are out
+        return time.perf_counter() - t0
+
+    def checkpoint(self) -> None:
+        """Collective. Then rank 0 ACKs the leases whose effect the checkpoint holds."""
+        state = None
+        if self.dist.is_main:
+            state = {"totals": self.totals, "returns": list(self.returns), "leases": self.ledger.state_dict()}
+        path = save_checkpoint(
+            self.ckpt_root, self.version, self.trainer, self.dist, state, self.cfg.learner.keep_checkpoints
+        )
+        self.last_checkpoint = self.version
+        if self.dist.is_main:
+            _, lost = self.ledger.settle(self.buffer)
+            mark_acked(path, sorted(self.ledger.skip_ids))
+            log.info(
+                "checkpoint v%d -> %s%s",
+                self.version,
+                path,
+                f" ({len(lost)} ids lost their lease)" if lost else "",
+            )
+
+    def record(self, step: StepBatch, stats: dict[str, float], **timing: float) -> None:
+        if not self.dist.is_main:  # this rank's own timings, on its Prometheus endpoint
+            self.metrics.step(self.version, {**timing, "wait_frac": timing["wait_s"] / timing["step_s"]})
+            return
+        s, lc = step, self.cfg.learner
+        trained = s.trained
+        lags = [self.version - 1 - t.version for t in trained]
+        kind_llm = self.cfg.model.kind == "llm"
+        tokens = sum(len(t.arrays["completion_ids"] if kind_llm else t.arrays["actions"]) for t in trained)
+        for t in trained:
+            if not kind_llm:
+                self.returns.extend(float(r) for r in t.arrays["episode_returns"])
+                self.totals["episodes"] += len(t.arrays["episode_returns"])
+        self.totals["samples"] += len(trained)
+        self.totals["tokens"] += tokens
+        self.totals["dropped_stale"] += s.fetched.leased.dropped_stale
+        self.totals["violations"] += s.violations
+        self.totals["skipped"] += len(s.skipped)
+        self.metrics.observe_staleness(lags)
+        rewards = [t.reward for t in trained]
+        record = {
+            **stats,
+            **timing,
+            "loss": stats.get("policy_loss", 0.0),
+            "fetch_wait_s": s.fetch_wait_s,
+            "scatter_s": s.scatter_s,
+            "wait_frac": timing["wait_s"] / timing["step_s"],
+            "samples": len(trained),
+            "tokens": tokens,
+            "samples_per_s": len(trained) / timing["step_s"],
+            "tokens_per_s": tokens / timing["step_s"],
+            "reward_mean": float(np.mean(rewards)),
+            "reward_std": float(np.std(rewards, ddof=1)) if len(rewards) > 1 else 0.0,
+            "staleness_mean": float(np.mean(lags)),
+            "staleness_max": int(max(lags)),
+            "staleness_hist": np.bincount(lags, minlength=lc.max_staleness + 1).tolist(),
+            "dropped_stale": s.fetched.leased.dropped_stale,
+            "staleness_violations": s.violations,
+            **{f"total_{k}": v for k, v in self.totals.items()},
+        }
+        if not kind_llm and self.returns:
+            record["episode_return_mean"] = float(np.mean(self.returns))
+        self.metrics.step(self.version, record)
+        self.control.update_learner({k: float(v) for k, v in record.items() if isinstance(v, (int, float))})
 
     def close(self) -> None:
-        self.control.close()
-        self.broadcaster.close()
-        self.buffer.close()
+        if self.dist.is_main:
+            # Shutdown goes out on the weight channel first: receivers LEAVE over the control
+            # plane and rollouts leave their loops before the control server disappears.
+            self.broadcaster.close()
+            self.source.close()
+            self.control.close()
+            self.buffer.close()
+            if self.audit is not None:
+                self.audit.close()
         self.metrics.close()
+        # DDP's reducer (inside the trainer) must be freed before its process group is
+        # destroyed; the other order can hang the process at exit.
+        del self.trainer
+        self.dist.close()
 
 
-def _to_device(batch, device: torch.device):
-    if device.type == "cpu":
-        return batch
-    for name, value in vars(batch).items():
-        if isinstance(value, torch.Tensor):
-            setattr(batch, name, value.to(device))
-    return batch
-
-
-def run_learner(cfg: RunConfig, stop: threading.Event) -> int:
-    learner = Learner(cfg, stop)
+def run_learner(cfg: RunConfig, stop: threading.Event, policy_id: str | None = None) -> int:
+    learner = Learner(cfg, policy_id or cfg.learner.policies[0], stop)
     try:
         return learner.run()
     finally:

@@ -1,61 +1,113 @@
-"""Learner metrics: JSONL (the run record), TensorBoard scalars, and a Prometheus endpoint."""
+"""Learner metrics: JSONL (the run record), TensorBoard scalars, and a Prometheus endpoint.
+
+Rank 0 of each learner group writes `metrics/learner[-<policy>].jsonl` and TensorBoard; every
+rank serves Prometheus. On resume from version c the JSONL keeps its lines up to c (later
+lines belong to a lineage that was lost) and TensorBoard purges steps after c, so the
+metrics continue where the checkpoint did.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import Gauge
+from prometheus_client import Gauge, Histogram
 
+from sluice.config.policy import learner_role, role_suffix
 from sluice.config.run import RunConfig
-from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
+from sluice.metrics import JsonlLog, PrometheusEndpoint, read_jsonl, record_endpoint
 
 # Exported as Prometheus gauges sluice_learner_<name>.
 PROM_GAUGES = {
-    "version": "Policy version (optimizer steps published)",
+    "version": "Policy version (learner steps published)",
     "reward_mean": "Mean reward of the last batch",
-    "loss": "Policy loss of the last step",
+    "loss": "Total loss of the last step",
+    "policy_loss": "Policy term of the last step's loss",
+    "value_loss": "Value term of the last step's loss",
+    "clip_frac": "Share of tokens/steps where the PPO clip was active",
+    "is_weight_mean": "Mean importance weight (behaviour correction)",
+    "is_truncated_frac": "Share of importance weights cut at the cap",
     "staleness_mean": "Mean version lag of the last batch",
     "staleness_max": "Max version lag of the last batch",
     "samples_per_s": "Trajectories trained per second (last step)",
+    "tokens_per_s": "Tokens (LLM) or env steps (classic) trained per second (last step)",
     "wait_frac": "Fraction of the last step spent waiting for data",
+    "wait_s": "Seconds of the last step spent waiting for data",
+    "compute_s": "Seconds of the last step spent computing",
+    "sync_s": "Seconds of the last step spent publishing weights",
+    "episode_return_mean": "Mean return of the last return_window episodes (classic RL)",
     "total_dropped_stale": "Samples dropped by the buffer for staleness (total)",
     "total_violations": "Samples that reached the learner beyond the staleness bound (total)",
 }
 
 
 class LearnerMetrics:
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, policy_id: str, rank: int, resumed_at: int | None) -> None:
         self.cfg = cfg
-        self.log = JsonlLog(cfg.run_dir / "metrics" / "learner.jsonl")
-        self.prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("learner"))
-        self.gauges = {
-            k: Gauge(f"sluice_learner_{k}", h, registry=self.prom.registry) for k, h in PROM_GAUGES.items()
-        }
-        self.tb = None
-        if cfg.metrics.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.rank = rank
+        self.role = learner_role(cfg, policy_id, rank)
+        suffix = role_suffix(cfg, policy_id)
+        self.prom = PrometheusEndpoint(cfg.metrics.prometheus_host, _port(cfg, policy_id, rank))
+        reg = self.prom.registry
+        self.gauges = {k: Gauge(f"sluice_learner_{k}", h, registry=reg) for k, h in PROM_GAUGES.items()}
+        buckets = [float(k) for k in range(cfg.learner.max_staleness + 1)]
+        self.staleness = Histogram(
+            "sluice_learner_staleness", "Version lag of consumed samples", buckets=buckets, registry=reg
+        )
+        self.log = self.tb = None
+        if rank == 0:
+            path = cfg.run_dir / "metrics" / f"learner{suffix}.jsonl"
+            if resumed_at is not None:
+                _truncate_after(path, resumed_at)
+            self.log = JsonlLog(path)
+            if cfg.metrics.tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(cfg.run_dir / "tb"))
+                purge = resumed_at + 1 if resumed_at is not None else None
+                self.tb = SummaryWriter(log_dir=str(cfg.run_dir / f"tb{suffix}"), purge_step=purge)
 
     def start(self) -> None:
-        port = self.prom.start()
-        record_endpoint(self.cfg.run_dir, "learner", metrics_port=port)
+        record_endpoint(self.cfg.run_dir, self.role, metrics_port=self.prom.start())
+
+    def observe_staleness(self, lags: list[int]) -> None:
+        for lag in lags:
+            self.staleness.observe(lag)
 
     def step(self, version: int, values: dict[str, Any]) -> None:
-        record = {"version": version, **values}
-        if version % self.cfg.learner.log_every == 0:
-            self.log.write(record)
         self.gauges["version"].set(version)
         for k, g in self.gauges.items():
-            if k in values:
+            if isinstance(values.get(k), (int, float)):
                 g.set(values[k])
+        if self.log is not None and version % self.cfg.learner.log_every == 0:
+            self.log.write({"version": version, **values})
         if self.tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(f"learner/{k}", v, version)
+            for lag, count in enumerate(values.get("staleness_hist", [])):
+                self.tb.add_scalar(f"staleness/lag_{lag}", count, version)
 
     def close(self) -> None:
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
         self.prom.stop()
         if self.tb is not None:
             self.tb.close()
+
+
+def _port(cfg: RunConfig, policy_id: str, rank: int) -> int:
+    if cfg.metrics.base_port == 0:
+        return 0
+    return cfg.metrics.port("learner", cfg.learner.policies.index(policy_id) * 10 + rank)
+
+
+def _truncate_after(path: Path, version: int) -> None:
+    """Keep the lines of steps <= version (atomically)."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_jsonl(path) if r.get("version", 0) <= version]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)

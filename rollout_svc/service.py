@@ -35,6 +35,7 @@ from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.rpc import RpcError
+from sluice.security import secure_context
 from sluice.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -73,12 +74,14 @@ class RolloutService:
         self.tokenizer = self.engine.tokenizer
         self._check_vocabulary()
         self.sampling = SamplingParams(rc.max_new_tokens, rc.temperature, rc.on_new_weights)
+        self.zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
         self.weights: WeightFeed = self._make_weight_feed()
         self.buffer = BufferClient(
             cfg.buffer.all_endpoints(),
             should_abort=lambda: self.stop.is_set() or self.weights.done,
+            ctx=self.zmq_ctx,
         )
-        self.control = ControlClient(cfg.control.endpoint)
+        self.control = ControlClient(cfg.control.endpoint, ctx=self.zmq_ctx)
         self.delivered = 0  # samples PUT (reported in heartbeats)
         self.overlong_prompts = 0  # prompts skipped: no room left to answer
         self._totals = {"samples": 0.0, "pause_s": 0.0, "generate_s": 0.0, "dropped_groups": 0.0}
@@ -98,9 +101,10 @@ class RolloutService:
 
         receiver = WeightReceiver(
             self.cfg.weight_sync,
-            rank=self.index + 1,
-            world_size=self.cfg.rollout.services + 1,
+            service_id=self.service_id,
             device=torch.device("cpu"),
+            control_endpoint=self.cfg.control.endpoint,
+            zmq_ctx=self.zmq_ctx,
         )
         return ReceiverFeed(receiver)
 
@@ -329,7 +333,9 @@ class RolloutService:
 
     def _heartbeat_loop(self) -> None:
         """Liveness for the control plane, independent of how long a generate call takes."""
-        client = ControlClient(self.cfg.control.endpoint, timeout_s=max(5.0, self.cfg.control.heartbeat_s))
+        client = ControlClient(
+            self.cfg.control.endpoint, timeout_s=max(5.0, self.cfg.control.heartbeat_s), ctx=self.zmq_ctx
+        )
         try:
             while not self._heartbeat_stop.is_set():
                 stats = {"version": float(self.engine.version), **self._totals}

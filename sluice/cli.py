@@ -2,53 +2,79 @@
 modules, call `run_<role>`.
 
     sluice run CONFIG [key=value ...]                 every role on this machine (the main job)
-    sluice buffer CONFIG --shard K [key=value ...]    one buffer shard
-    sluice rollout CONFIG --index I [key=value ...]   one rollout service
-    sluice learner CONFIG [key=value ...]             the learner
+    sluice ray CONFIG [key=value ...]                 every role on a Ray cluster
+    sluice buffer CONFIG [--shard K] [key=value ...]  one buffer shard
+    sluice rollout CONFIG [--index I] [key=value ...] one rollout service
+    sluice learner CONFIG [--policy P] [key=value ...] one rank of a learner group
+    sluice status CONFIG|RUN_DIR [--once] [--json]    live table of every role of a run
+    sluice config CONFIG [key=value ...]              print the resolved config (checks it)
+    sluice keys DIR                                   CURVE key pairs for security.curve
+    sluice export CHECKPOINT OUT_DIR                  a checkpoint as a Hugging Face model dir
+    sluice plots RUN_DIR                              PNG plots of a run's metrics
+
+The config is the YAML file, then SLUICE__SECTION__KEY environment variables, then the dotted
+overrides on the command line (see sluice/config/loader.py).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from sluice.config.loader import ConfigError, load_config
 from sluice.config.run import RunConfig
-from sluice.launch.role import EXIT_CONFIG, run_role
+from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, resolve_index, run_role
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
 ConfigArg = Annotated[str, typer.Argument(help="YAML run config")]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. learner.lr=1e-4")]
+NoProgress = Annotated[bool, typer.Option(help="plain output, no progress bar")]
+
+
+def _fail(message: str, code: int = EXIT_CONFIG) -> typer.Exit:
+    typer.echo(message, err=True)
+    return typer.Exit(code)
 
 
 def _load(config: str, overrides: list[str] | None) -> RunConfig:
     try:
-        return load_config(config, overrides or [])
+        return load_config(config, overrides or [], env=os.environ)
     except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(EXIT_CONFIG) from None
+        raise _fail(str(e)) from None
 
 
 def _validate_plugins(cfg: RunConfig) -> None:
-    """Fail before starting processes if the task config is wrong."""
-    from rollout_svc.tasks.registry import build_task
-
+    """Fail before starting processes if the task (or environment) config is wrong."""
     try:
+        if cfg.rollout.kind == "env":
+            from sluice.modeling.policy import env_spaces
+
+            env_spaces(cfg.env.id, cfg.env.kwargs)
+            return
+        from rollout_svc.tasks.registry import build_task
+
         build_task(cfg.task, seed=0)
     except ConfigError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(EXIT_CONFIG) from None
+        raise _fail(str(e)) from None
+    except Exception as e:  # gymnasium raises many kinds for a bad id or kwargs
+        raise _fail(f"config error: env: {e}") from None
+
+
+def _index(explicit: int | None) -> int:
+    try:
+        return resolve_index(explicit, os.environ)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
 
 
 @app.command()
-def run(
-    config: ConfigArg,
-    overrides: OverridesArg = None,
-    no_progress: Annotated[bool, typer.Option(help="plain output, no progress bar")] = False,
-) -> None:
+def run(config: ConfigArg, overrides: OverridesArg = None, no_progress: NoProgress = False) -> None:
     """Start buffer shards, rollout services and the learner as processes on this machine."""
     cfg = _load(config, overrides)
     _validate_plugins(cfg)
@@ -60,40 +86,195 @@ def run(
     raise typer.Exit(run_local(cfg, show_progress=not no_progress))
 
 
+@app.command("ray")
+def ray_(config: ConfigArg, overrides: OverridesArg = None, no_progress: NoProgress = False) -> None:
+    """Start every role on a Ray cluster, one Ray actor process each, and supervise them.
+
+    The cluster is ray.address ("auto" after `ray up`), or a local Ray instance when unset."""
+    cfg = _load(config, overrides)
+    _validate_plugins(cfg)
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise _fail("sluice ray needs Ray: pip install 'sluice[ray]'", EXIT_FAILED) from None
+    from sluice.launch.ray_launcher import run_ray
+    from sluice.launch.role import quiet_libraries
+
+    quiet_libraries()
+    raise typer.Exit(run_ray(cfg, show_progress=not no_progress))
+
+
 @app.command()
 def buffer(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    shard: Annotated[int, typer.Option(help="shard index")] = 0,
+    shard: Annotated[
+        int | None,
+        typer.Option(help="shard index (default: SLUICE_INDEX, SLURM_PROCID, JOB_COMPLETION_INDEX, 0)"),
+    ] = None,
 ) -> None:
     """Serve one buffer shard."""
     cfg = _load(config, overrides)
+    k = _index(shard)
     from buffer.service import run_buffer
 
-    raise typer.Exit(run_role(f"buffer-{shard}", lambda stop: run_buffer(cfg, shard, stop)))
+    raise typer.Exit(run_role(f"buffer-{k}", lambda stop: run_buffer(cfg, k, stop)))
 
 
 @app.command()
 def rollout(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    index: Annotated[int, typer.Option(help="rollout service index")] = 0,
+    index: Annotated[
+        int | None,
+        typer.Option(help="service index (default: SLUICE_INDEX, SLURM_PROCID, JOB_COMPLETION_INDEX, 0)"),
+    ] = None,
 ) -> None:
-    """Run one rollout service."""
+    """Run one rollout service (`rollout.kind` llm: LLM generation; env: gymnasium envs)."""
     cfg = _load(config, overrides)
     _validate_plugins(cfg)
-    from rollout_svc.service import run_rollout
+    i = _index(index)
+    if cfg.rollout.kind == "env":
+        from rollout_svc.env_service import run_env_rollout as run_rollout
+    else:
+        from rollout_svc.service import run_rollout
 
-    raise typer.Exit(run_role(f"rollout-{index}", lambda stop: run_rollout(cfg, index, stop)))
+    raise typer.Exit(run_role(f"rollout-{i}", lambda stop: run_rollout(cfg, i, stop)))
 
 
 @app.command()
-def learner(config: ConfigArg, overrides: OverridesArg = None) -> None:
-    """Run the learner."""
+def learner(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    policy: Annotated[
+        str | None, typer.Option(help="policy id (default: the first of learner.policies)")
+    ] = None,
+) -> None:
+    """Run one rank of a learner group (RANK/WORLD_SIZE/MASTER_* from the environment, as
+    torchrun sets them; unset: a group of one)."""
+    import os
+
+    from sluice.config.policy import learner_role, policy_index
+
     cfg = _load(config, overrides)
+    policy_id = policy or cfg.learner.policies[0]
+    try:
+        policy_index(cfg, policy_id)
+    except ValueError as e:
+        typer.echo(f"config error: --policy: {e}", err=True)
+        raise typer.Exit(EXIT_CONFIG) from None
     from learner.loop import run_learner
 
-    raise typer.Exit(run_role("learner", lambda stop: run_learner(cfg, stop)))
+    role = learner_role(cfg, policy_id, int(os.environ.get("RANK", "0")))
+    raise typer.Exit(run_role(role, lambda stop: run_learner(cfg, stop, policy_id)))
+
+
+@app.command()
+def status(
+    target: Annotated[str, typer.Argument(help="run directory (its resolved config.yaml) or a config file")],
+    overrides: OverridesArg = None,
+    once: Annotated[bool, typer.Option(help="print one table and exit (for scripts)")] = False,
+    json: Annotated[bool, typer.Option("--json", help="print one JSON snapshot and exit")] = False,
+    interval: Annotated[float, typer.Option(help="seconds between refreshes")] = 2.0,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for each role")] = 2.0,
+) -> None:
+    """Live table of every role of a running run: version, throughput, staleness, fill, lag.
+
+    With --once or --json the exit code is 0 when the learner answered, 1 when it did not."""
+    path = Path(target)
+    cfg = _load(str(path / "config.yaml") if path.is_dir() else target, overrides)
+    if cfg.control.port == 0:
+        raise _fail(
+            "control.port is 0 in this config: pass the run directory (its config.yaml has the ports)"
+        )
+    from rich.console import Console
+    from rich.live import Live
+
+    from sluice.launch.status import collect, render
+
+    title = f"sluice status: {cfg.run.dir or target}"
+    if once or json:
+        snap = collect(cfg, timeout)
+        if json:
+            typer.echo(snap.to_json())
+        else:
+            Console(width=200).print(render(snap, title))
+        raise typer.Exit(EXIT_OK if snap.learner_reachable else EXIT_FAILED)
+    console = Console()
+    try:
+        if not console.is_terminal:
+            console = Console(width=200)  # a log or a pipe: one table per refresh, appended
+            while True:
+                console.print(render(collect(cfg, timeout), f"{title} at {time.strftime('%H:%M:%S')}"))
+                time.sleep(interval)
+        with Live(render(collect(cfg, timeout), title), console=console, refresh_per_second=1) as live:
+            while True:
+                time.sleep(interval)
+                live.update(render(collect(cfg, timeout), title))
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_OK) from None
+
+
+@app.command()
+def config(config: ConfigArg, overrides: OverridesArg = None) -> None:
+    """Print the config a role would run with (file, environment, overrides), or its error."""
+    cfg = _load(config, overrides)
+    import yaml
+
+    typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), nl=False)
+
+
+@app.command()
+def keys(
+    directory: Annotated[str, typer.Argument(help="where to write the key pairs")],
+    overwrite: Annotated[bool, typer.Option(help="replace existing keys")] = False,
+) -> None:
+    """Make CURVE key pairs (server and client) for security.curve.
+
+    Enable them with `security.curve: true` and `security.keys_dir: DIR` in the config."""
+    from sluice.security import generate_keys
+
+    try:
+        made = generate_keys(directory, overwrite=overwrite)
+    except FileExistsError as e:
+        raise _fail(str(e)) from None
+    typer.echo(
+        f"wrote {made.server_public.name}, {made.server_secret.name}, {made.client_public.name}, "
+        f"{made.client_secret.name} and {made.authorized.name}/ in {made.directory}\n"
+        f"enable with: security.curve=true security.keys_dir={made.directory.resolve()}\n"
+        "servers need server.key_secret and authorized/; clients need server.key and client.key_secret"
+    )
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[str, typer.Argument(help="checkpoint dir, checkpoints/ dir, or run dir (latest)")],
+    out_dir: Annotated[str, typer.Argument(help="Hugging Face model directory to write")],
+    dtype: Annotated[str | None, typer.Option(help="cast weights: float32 or bfloat16")] = None,
+    overwrite: Annotated[bool, typer.Option(help="replace a non-empty OUT_DIR")] = False,
+) -> None:
+    """Write a checkpoint as a Hugging Face model directory (model and tokenizer only)."""
+    from sluice.export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(checkpoint, out_dir, dtype=dtype, overwrite=overwrite)
+    except ExportError as e:
+        raise _fail(str(e)) from None
+    typer.echo(f"exported to {out}")
+
+
+@app.command()
+def plots(run_dir: Annotated[str, typer.Argument(help="run directory")]) -> None:
+    """Write PNG plots of a run's metrics (reward, staleness, throughput) to RUN_DIR/plots."""
+    from sluice.plots import write_run_plots
+
+    if not Path(run_dir).is_dir():
+        raise _fail(f"{run_dir!r} is not a directory")
+    written = write_run_plots(run_dir)
+    if not written:
+        raise _fail(f"{run_dir!r} has no metrics to plot", EXIT_FAILED)
+    for p in written:
+        typer.echo(str(p))
 
 
 def main() -> None:

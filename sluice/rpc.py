@@ -3,7 +3,8 @@
 Client side, `RpcConnection`:
 - A DEALER, connected (never bound) to the server's ROUTER. Sends `[b"", header, payload...]`.
 - Every request carries an id; a reply with another id (the late answer to a request that
-  timed out) is discarded. No request waits longer than its timeout: `RpcTimeout`.
+  timed out) is discarded. No request waits longer than its timeout, to be sent or answered:
+  `RpcTimeout`.
 - An error reply raises `RpcError` with the server's code, message and retry hint.
 - Not thread-safe: one connection per thread.
 
@@ -61,8 +62,17 @@ class RpcConnection:
 
     def request(self, header, payload: Sequence[codec.Frame] = (), timeout_s: float = 30.0):
         """Send and wait for the matching reply. Returns (reply, payload frames)."""
-        self.sock.send_multipart([b"", *codec.encode(header, payload)], copy=False)
         deadline = time.monotonic() + timeout_s
+        # A DEALER whose connection was refused (e.g. a CURVE handshake failed) has no pipe, and
+        # a plain send would block forever: the send gets the request's timeout too.
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        try:
+            self.sock.send_multipart([b"", *codec.encode(header, payload)], copy=False)
+        except zmq.Again:
+            raise RpcTimeout(
+                f"{self.name} at {self.endpoint}: {type(header).__name__} could not be sent within "
+                f"{timeout_s:.1f}s (no connection)"
+            ) from None
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0 or not self.sock.poll(remaining_ms, zmq.POLLIN):

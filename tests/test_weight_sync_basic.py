@@ -1,61 +1,262 @@
-"""Weights published by the learner arrive bit-identical in rollout engines, version-tagged."""
+"""Weights published by the learner arrive bit-identical in rollout engines, version-tagged;
+corrupt or mismatched versions are refused; late joiners pull the current version."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
+from weight_sync_env import SyncEnv, perturb, small_cfg, wait_version
 
 from rollout_svc.engines.hf import HFEngine
 from sluice.config.model import ModelConfig, TinyModelInit
-from sluice.config.weight_sync import WeightSyncConfig
+from sluice.control.client import ControlClient
 from sluice.modeling import load_policy, materialize_model_dir
-from sluice.net import free_port
 from weight_sync.broadcaster import WeightBroadcaster
-from weight_sync.layout import plan_buckets
-from weight_sync.receiver import WeightReceiver
 
 
-def test_bucket_plan_covers_every_parameter_once():
-    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 3))
-    buckets = plan_buckets(model.named_parameters(), bucket_bytes=300)
-    names = [s.name for b in buckets for s in b.slots]
-    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
-    for b in buckets:  # slots tile the bucket without gaps or overlap
-        end = 0
-        for s in b.slots:
-            assert s.offset == end
-            end += s.numel
-        assert end == b.numel
+@pytest.fixture
+def env_factory():
+    envs: list[SyncEnv] = []
+
+    def make(cfg=None, **kwargs) -> SyncEnv:
+        env = SyncEnv(cfg or small_cfg(), **kwargs)
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.close()
 
 
-def test_weights_after_sync_are_bit_identical(tmp_path):
+def wait_until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(50, 24), torch.nn.Linear(24, 48), torch.nn.LayerNorm(48), torch.nn.Linear(48, 50)
+    )
+
+
+def expected(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to(dtype).clone() for n, p in model.named_parameters()}
+
+
+def assert_identical(got: list[tuple[str, torch.Tensor]], want: dict[str, torch.Tensor]) -> None:
+    got_d = dict(got)
+    assert got_d.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got_d[name].dtype == tensor.dtype, name
+        assert torch.equal(got_d[name], tensor), name  # bit-identical (no NaNs in the model)
+
+
+def test_weights_reach_hf_engines_bit_identical(tmp_path, env_factory):
     model_dir = materialize_model_dir(ModelConfig(init=TinyModelInit(seed=1)), tmp_path)
     learner_model, _ = load_policy(model_dir)
-    cfg = WeightSyncConfig(master_port=free_port(), timeout_s=30, bucket_mb=0.05)
+    env = env_factory()
+    env.broadcaster.publish(0, learner_model)
+    receivers = [env.receiver(f"rollout-{i}") for i in range(2)]
     engines = [HFEngine(model_dir, seed=i) for i in range(2)]
-    receivers = [WeightReceiver(cfg, rank=i + 1, world_size=3, device=torch.device("cpu")) for i in range(2)]
-    broadcaster = WeightBroadcaster(cfg, n_receivers=2, device=torch.device("cpu"))
-    for r in receivers:
-        r.start()
+    env.wait_members(2)
+    for version in (1, 2):
+        perturb(learner_model)
+        stats = env.broadcaster.publish(version, learner_model)
+        assert stats.members == 2 and stats.delivered
+        want = {k: v.detach().clone() for k, v in learner_model.named_parameters()}
+        for engine, receiver in zip(engines, receivers):
+            got = wait_version(receiver, version)  # (skips the v0 pulled on joining)
+            assert got.version == version
+            engine.load_weights(got.tensors, got.version)
+            state = engine.state_dict()
+            assert state.keys() == want.keys()
+            for name, tensor in want.items():
+                assert torch.equal(state[name], tensor), name
+            assert engine.version == version
+    assert all(r.error is None and r.refused_versions == 0 and r.pulls == 1 for r in receivers)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bucket_mb", [0.002, 0.004, 64.0])  # a bucket per tensor .. one bucket
+def test_bit_identical_for_dtypes_and_bucket_sizes(env_factory, dtype, bucket_mb):
+    model = tiny_model()
+    env = env_factory(small_cfg(bucket_mb=bucket_mb, dtype=dtype, pipeline_depth=2))
+    receiver = env.receiver("rollout-0")
+    env.wait_members(1)
+    wire = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    for version in (1, 2, 3):
+        perturb(model)
+        stats = env.broadcaster.publish(version, model)  # fp32 master weights, cast on the fly
+        assert stats.members == 1
+        got = wait_version(receiver, version)
+        assert got.version == version
+        assert_identical(got.tensors, expected(model, wire))
+    n_buckets = len(env.broadcaster._layout)
+    assert n_buckets == 1 if bucket_mb == 64.0 else n_buckets >= 2
+
+
+class CorruptingBroadcaster(WeightBroadcaster):
+    """Flips one bit of bucket 1 on the wire after its checksum was taken, for chosen versions
+    (what a bad link or a buggy copy would do). The snapshot stays intact."""
+
+    corrupt_versions: set[int] = set()
+
+    def _send(self, version, layout, produce, base_version=-1):
+        if version not in self.corrupt_versions:
+            return super()._send(version, layout, produce, base_version)
+
+        def corrupted(i, bucket):
+            flat, sums = produce(i, bucket)
+            if i == 1:
+                flat = flat.clone()
+                flat.view(torch.uint8)[3] ^= 0x10
+            return flat, sums
+
+        return super()._send(version, layout, corrupted, base_version)
+
+
+def test_corrupted_bucket_is_refused_and_old_weights_kept(env_factory):
+    model = tiny_model()
+    # delta=True: the receiver keeps the held version (as a delta base), so it can be checked
+    env = env_factory(small_cfg(bucket_mb=0.002, delta=True), broadcaster_cls=CorruptingBroadcaster)
+    env.broadcaster.corrupt_versions = {2}
+    receiver = env.receiver("rollout-0")
+    env.wait_members(1)
+    perturb(model)
+    env.broadcaster.publish(1, model)
+    assert wait_version(receiver, 1).version == 1
+    v1_expected = expected(model, torch.float32)
+    perturb(model)
+    env.broadcaster.publish(2, model)  # corrupted in transit
+    wait_until(lambda: receiver.refused_versions == 1)
+    assert receiver.take_latest() is None and receiver.version == 1  # nothing new to load
+    assert_identical(receiver.held().tensors, v1_expected)  # old weights kept
+    perturb(model)
+    env.broadcaster.publish(3, model)  # the learner saw the refusal report meanwhile
+    v3 = wait_version(receiver, 3)
+    assert v3.version == 3
+    assert_identical(v3.tensors, expected(model, torch.float32))
+    status = env.broadcaster.membership.status()
+    assert status.members["rollout-0"].refused == 1
+    assert "checksum mismatch" in status.members["rollout-0"].last_error
+    assert status.counters["receiver_refused"] == 1
+    # ... and it is visible on the control plane
+    client = ControlClient(env.control_endpoint, timeout_s=5)
     try:
-        broadcaster.start()
-        for version in (1, 2):
-            with torch.no_grad():  # a training step changes every parameter
-                for p in learner_model.parameters():
-                    p.add_(torch.randn_like(p) * 0.1)
-            broadcaster.publish(version, learner_model)
-            expected = {k: v.detach().clone() for k, v in learner_model.named_parameters()}
-            for engine, receiver in zip(engines, receivers):
-                got = receiver.wait_for_weights(timeout_s=20)
-                assert got is not None and got.version == version
-                engine.load_weights(got.tensors, got.version)
-                state = engine.state_dict()
-                assert state.keys() == expected.keys()
-                for name, tensor in expected.items():
-                    assert torch.equal(state[name], tensor), name  # bit-identical
-                assert engine.version == version
+        ws = client.status().weight_sync
+        assert ws is not None and ws.members["rollout-0"].refused == 1 and ws.published_version == 3
     finally:
-        broadcaster.close()
-        for r in receivers:
-            r.stop()
-            r._thread.join(timeout=10)
-    assert all(r.error is None and r.refused_versions == 0 for r in receivers)
+        client.close()
+
+
+def test_mismatched_layout_is_refused(env_factory):
+    model = tiny_model()
+    env = env_factory()
+    shapes = {n: list(p.shape) for n, p in model.named_parameters()}
+    shapes["1.weight"] = [48, 25]  # the engine's model differs from the learner's
+    receiver = env.receiver("rollout-0", expected=shapes)
+    env.wait_members(1)
+    env.broadcaster.publish(1, model)
+    wait_until(lambda: receiver.refused_versions == 1)
+    assert receiver.take_latest() is None and receiver.version == -1
+    assert env.broadcaster.membership.status().members["rollout-0"].refused == 1
+
+
+def test_late_joiner_pulls_current_version_then_joins_the_group(env_factory):
+    model = tiny_model()
+    env = env_factory(small_cfg(transfer={"chunk_mb": 0.001, "window": 3}))
+    early = env.receiver("rollout-0")
+    env.wait_members(1)
+    for version in (1, 2, 3):
+        perturb(model)
+        env.broadcaster.publish(version, model)
+    assert wait_version(early, 3).version == 3
+    late = env.receiver("rollout-1")
+    got = wait_version(late, 3)  # through the ZeroMQ chunked transfer
+    assert got.version == 3 and late.pulls == 1
+    assert_identical(got.tensors, expected(model, torch.float32))
+    env.wait_members(2)
+    perturb(model)
+    stats = env.broadcaster.publish(4, model)  # a new epoch with both
+    assert stats.members == 2 and stats.epoch == 2
+    for r in (early, late):
+        got = wait_version(r, 4)
+        assert got.version == 4
+        assert_identical(got.tensors, expected(model, torch.float32))
+    assert late.pulls == 1 and late.epoch == 2
+
+
+def test_leave_rebuilds_group_without_the_service(env_factory):
+    model = tiny_model()
+    env = env_factory()
+    a, b = env.receiver("rollout-0"), env.receiver("rollout-1")
+    env.wait_members(2)
+    assert env.broadcaster.publish(1, model).members == 2
+    b.stop()  # LEAVEs
+    assert env.broadcaster.membership.registered() == 1
+    perturb(model)
+    stats = env.broadcaster.publish(2, model)
+    assert stats.members == 1 and not stats.retried
+    got = wait_version(a, 2)
+    assert_identical(got.tensors, expected(model, torch.float32))
+
+
+def test_delta_sync_sends_only_changed_tensors(env_factory):
+    model = tiny_model()
+    env = env_factory(small_cfg(delta=True, bucket_mb=0.01))
+    receiver = env.receiver("rollout-0")
+    env.wait_members(1)
+    full = env.broadcaster.publish(1, model)  # first publish of an epoch: everything
+    assert full.delta_tensors == -1
+    assert wait_version(receiver, 1).version == 1
+    with torch.no_grad():  # a step that touches only the norm (the rest is frozen)
+        model[2].weight.add_(1.0)
+        model[2].bias.add_(1.0)
+    delta = env.broadcaster.publish(2, model)
+    assert delta.delta_tensors == 2 and delta.bytes == 2 * 48 * 4
+    got = wait_version(receiver, 2)
+    assert got.version == 2
+    assert_identical(got.tensors, expected(model, torch.float32))
+    unchanged = env.broadcaster.publish(3, model)  # nothing moved: an empty delta
+    assert unchanged.delta_tensors == 0 and unchanged.bytes == 0
+    got = wait_version(receiver, 3)
+    assert got.version == 3
+    assert_identical(got.tensors, expected(model, torch.float32))
+
+
+class HookedBroadcaster(WeightBroadcaster):
+    """Runs `before_send` right before a version is announced (after the epoch was formed)."""
+
+    before_send = None
+
+    def _send(self, version, layout, produce, base_version=-1):
+        if self.before_send is not None:
+            hook, self.before_send = self.before_send, None
+            hook()
+        return super()._send(version, layout, produce, base_version)
+
+
+def test_a_service_that_joined_after_the_epoch_formed_catches_up_by_pulling(env_factory):
+    model = tiny_model()
+    env = env_factory(broadcaster_cls=HookedBroadcaster)
+    early = env.receiver("rollout-0")
+    env.wait_members(1)
+    env.broadcaster.publish(1, model)
+    late = []
+
+    def join_late() -> None:  # the JOIN lands after this publish chose its epoch's members
+        late.append(env.receiver("rollout-1"))
+        env.wait_members(2)
+
+    env.broadcaster.before_send = join_late
+    perturb(model)
+    assert env.broadcaster.publish(2, model).members == 1
+    got = wait_version(late[0], 2)  # without waiting for the next epoch
+    assert got.version == 2 and late[0].pulls == 2 and late[0].epoch == 0
+    assert_identical(got.tensors, expected(model, torch.float32))
+    assert wait_version(early, 2).version == 2

@@ -1,108 +1,487 @@
-"""Learner side of weight sync: announce a version, then broadcast it bucket by bucket.
+"""Learner side of weight sync: keep the group's membership current, then publish a version.
 
 Rules:
-- Learner rank 0 serves the rendezvous TCPStore and is rank 0 (the source) of the group.
-- Publish `seq` writes the msgpack Announcement under key `announce/<seq>` in the store, then
-  broadcasts the buckets in layout order. Receivers read the key first, so they know what to
-  allocate and what checksums to expect; the store never loses a key to a slow joiner.
-- The announcement of `seq - 1` is deleted once `seq` is announced: by then every receiver
-  has completed the collectives of `seq - 1`, so it has read the key.
-- `close()` announces `shutdown`, so receivers leave their loop instead of timing out.
+- Learner rank 0 serves the rendezvous TCPStore, the snapshot server (late joiners) and is
+  rank 0 (the source) of every epoch's group. Other learner ranks only take part in gathering
+  sharded weights: every rank calls `publish` with the same version, in lockstep.
+- Before a publish, membership changes (JOIN, LEAVE, a failed member) form a new epoch: the
+  candidates are announced, those that confirm within `ready_timeout_s` are committed, and a
+  new group is built under the epoch's own store prefix. Dead candidates are left out.
+- A publish announces `(epoch, version, layout)` under `ws/ann/<seq>`, then for every bucket
+  appends its tensors' checksums to `ws/ann/<seq>/sums` and starts its broadcast; bucket i+1 is
+  gathered, packed (cast to the wire dtype) and checksummed while bucket i is on the wire, with
+  at most `pipeline_depth` buckets in flight.
+- Every published version is kept as a host snapshot: late joiners pull it, a delta is
+  computed against it, and a publish whose collective failed is sent again from it over a
+  rebuilt group (the learner writes `ws/ep<e>/abort` first, so receivers stuck in the failed
+  epoch's collectives let go at once). No wait in here is longer than a timeout: members bump
+  a heartbeat while they wait in a collective, so a crashed or hung receiver costs about
+  `liveness_timeout_s` plus `ready_timeout_s` (at most `publish_timeout_s` plus
+  `ready_timeout_s` if its heartbeat still moves), never a hang.
+- `close()` announces `shutdown` and waits (briefly) for members to leave.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
 
-import msgspec
 import torch
+import torch.distributed as dist
+import zmq
+from prometheus_client import CollectorRegistry
 
 from sluice.config.weight_sync import WeightSyncConfig
-from weight_sync.group import BroadcastGroup, make_group, open_store, resolve_backend
+from weight_sync.announcements import (
+    CONTROL_KEY,
+    HEAD_KEY,
+    KEEP_ANNOUNCEMENTS,
+    TRANSFER_KEY,
+    Announcement,
+    EpochAnnouncement,
+    EpochCommit,
+    ShutdownAnnouncement,
+    WeightsAnnouncement,
+    abort_key,
+    ann_key,
+    beat_key,
+    commit_key,
+    encoder,
+    pg_prefix,
+    ready_key,
+    sums_key,
+)
+from weight_sync.buffers import BufferPool
+from weight_sync.group import (
+    BroadcastGroup,
+    CollectiveError,
+    make_group,
+    open_store,
+    resolve_backend,
+    wait_work,
+)
 from weight_sync.layout import (
     TORCH_DTYPES,
-    Announcement,
     Bucket,
-    checksum,
+    TensorSpec,
     describe,
+    empty_bucket,
+    encode_checksums,
     pack_bucket,
     plan_buckets,
+    slot_checksums,
 )
+from weight_sync.membership import Candidate, Membership
+from weight_sync.metrics import BroadcastMetrics, PublishStats
+from weight_sync.snapshot import Snapshot
+from weight_sync.source import ParamSource, source_for
+from weight_sync.transfer_server import SnapshotServer
 
 log = logging.getLogger(__name__)
 
+# produce(i, bucket) -> (tensor to broadcast on the group's device, checksums of its tensors)
+Producer = Callable[[int, Bucket], tuple[torch.Tensor, list[int]]]
 
-@dataclass
-class PublishStats:
-    version: int
-    bytes: int
-    seconds: float
+
+class MembershipHost(Protocol):
+    """Where receivers send JOIN / LEAVE / SYNC_REPORT (sluice.control.server.ControlServer)."""
+
+    def attach_membership(self, registry: Membership) -> None: ...
+
+
+class _Liveness:
+    """Polled while the learner waits on a broadcast: reads every member's heartbeat counter
+    (at most twice a second) and says abort when one has not moved for `timeout_s`."""
+
+    def __init__(self, store: dist.TCPStore, group: BroadcastGroup, timeout_s: float) -> None:
+        self.store = store
+        self.keys = {rank: beat_key(group.epoch, rank) for rank in range(1, group.world_size)}
+        self.timeout_s = timeout_s
+        now = time.monotonic()
+        self.seen: dict[int, tuple[int, float]] = {rank: (-1, now) for rank in self.keys}
+        self.checked = 0.0
+        self.silent: list[int] = []
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked < 0.5:
+            return False
+        self.checked = now
+        for rank, key in self.keys.items():
+            beats = self.store.add(key, 0)
+            last, since = self.seen[rank]
+            if beats != last:
+                self.seen[rank] = (beats, now)
+            elif now - since > self.timeout_s:
+                self.silent.append(rank)
+        return bool(self.silent)
 
 
 class WeightBroadcaster:
     def __init__(
         self,
         cfg: WeightSyncConfig,
-        n_receivers: int,
         device: torch.device,
-        dtype: str = "float32",
+        model_dtype: str = "float32",
+        *,
+        learner_rank: int = 0,
+        zmq_ctx: zmq.Context | None = None,
     ) -> None:
         self.cfg = cfg
-        self.n_receivers = n_receivers
+        self.zmq_ctx = zmq_ctx  # for the snapshot server; a secure context with security.curve
         self.device = device
-        self.cast_to = TORCH_DTYPES[dtype]
+        self.wire_dtype = TORCH_DTYPES[model_dtype if cfg.dtype == "auto" else cfg.dtype]
+        self.learner_rank = learner_rank
         self.backend = resolve_backend(cfg.backend, device)
-        self.store = None
+        self.membership = Membership()
+        self.metrics = BroadcastMetrics(None)
+        self.store: dist.TCPStore | None = None
+        self.transfer: SnapshotServer | None = None
         self.group: BroadcastGroup | None = None
-        self._buckets: list[Bucket] | None = None
-        self._seq = 0
-        self._encoder = msgspec.msgpack.Encoder()
+        self.snapshot: Snapshot | None = None
+        self._layout: list[Bucket] | None = None
+        self._specs: list[TensorSpec] | None = None
+        self._source: tuple[object, ParamSource] | None = None
+        self._members: list[str] = []  # the current epoch's members, in rank order
+        self._broken = False  # the current epoch's group failed: form a new one before sending
+        self._abandoned_works: list = []  # of a failed publish, dropped together with its group
+        self._droppers: list = []  # threads releasing dropped groups
+        # host buffers of retired snapshots (one version's worth), page-locked for accelerators
+        self._host_buffers = BufferPool(torch.device("cpu"), pin=device.type != "cpu")
+        self._force_full = True  # members may lack the delta base (new epoch, a refusal)
 
-    def start(self) -> None:
-        """Serve the store and form the group (blocks until every receiver joined)."""
-        world = self.n_receivers + 1
-        self.store = open_store(self.cfg.master_addr, self.cfg.master_port, world, True, self.cfg.timeout_s)
-        if self.n_receivers == 0:
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(
+        self,
+        control: MembershipHost | None = None,
+        control_endpoint: str | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        """Serve the store and the snapshot server (rank 0). Returns at once: receivers join
+        whenever they come up. `control`: the control server that answers JOIN / LEAVE /
+        SYNC_REPORT with this broadcaster's membership; `control_endpoint`: its address,
+        advertised to receivers not configured with one; `registry`: Prometheus metrics."""
+        if self.learner_rank != 0:
             return
-        log.info("weight sync: waiting for %d receivers (%s)", self.n_receivers, self.backend)
-        self.group = make_group(self.backend, self.store, 0, world, self.cfg.timeout_s)
-        log.info("weight sync: group of %d formed", world)
-
-    def publish(self, version: int, model: torch.nn.Module) -> PublishStats:
-        t0 = time.perf_counter()
-        params = dict(model.named_parameters())
-        if self._buckets is None:
-            self._buckets = plan_buckets(
-                params.items(), int(self.cfg.bucket_mb * 2**20), cast_to=self.cast_to
-            )
-            log.info("weight sync layout: %s", describe(self._buckets))
-        flats = [pack_bucket(b, params, self.device) for b in self._buckets]
-        announcement = Announcement(
-            kind="weights",
-            version=version,
-            buckets=self._buckets,
-            checksums=[checksum(f) for f in flats],
+        if registry is not None:
+            self.metrics = BroadcastMetrics(registry)
+        if control is not None:
+            control.attach_membership(self.membership)
+        self.store = open_store(self.cfg.master_addr, self.cfg.master_port, True, self.cfg.timeout_s)
+        self.transfer = SnapshotServer(self.cfg.transfer, self.cfg.master_addr, ctx=self.zmq_ctx)
+        self.transfer.start()
+        self.store.set(HEAD_KEY, b"0")
+        self.store.set(TRANSFER_KEY, self.transfer.endpoint.encode())
+        if control_endpoint is not None:
+            self.store.set(CONTROL_KEY, control_endpoint.encode())
+        log.info(
+            "weight sync: store :%d, snapshots at %s, backend %s",
+            self.cfg.master_port,
+            self.transfer.endpoint,
+            self.backend,
         )
-        self._announce(announcement)
-        if self.group is not None:
-            for flat in flats:
-                self.group.broadcast(flat, src=0)
-        nbytes = sum(f.numel() * f.element_size() for f in flats)
-        return PublishStats(version, nbytes, time.perf_counter() - t0)
 
-    def close(self) -> None:
-        if self.store is not None:
-            self._announce(Announcement(kind="shutdown"))
-            # Give receivers a moment to read the key before the store goes away with us.
-            time.sleep(0.5)
-        self.group = None
+    def close(self, leave_wait_s: float = 3.0) -> None:
+        if self.store is None:
+            return
+        self._announce(self.membership.next_seq(), ShutdownAnnouncement())
+        deadline = time.monotonic() + leave_wait_s
+        while self.membership.registered() and time.monotonic() < deadline:
+            time.sleep(0.05)  # receivers LEAVE when they read the shutdown
+        self._drop_group()
+        for dropper in self._droppers:  # a group torn down at interpreter exit aborts it
+            dropper.join(timeout=min(10.0, self.cfg.publish_timeout_s))
+        if self.transfer is not None:
+            self.transfer.close()
+            self.transfer = None
         self.store = None
 
-    def _announce(self, announcement: Announcement) -> None:
+    # -- publishing ----------------------------------------------------------------------------
+
+    def publish(self, version: int, model: torch.nn.Module | ParamSource) -> PublishStats:
+        """Deliver `version` of the weights to every member (rank 0) or take part in gathering
+        them (other learner ranks). Never raises for a receiver's failure."""
+        t0 = time.perf_counter()
+        source = self._source_for(model)
+        layout = self._plan(source)
+        if self.learner_rank != 0:
+            self._gather_only(layout, source)
+            return PublishStats(version, 0, time.perf_counter() - t0, 0, 0)
         assert self.store is not None, "start() first"
-        self.store.set(f"announce/{self._seq}", self._encoder.encode(announcement))
-        if self._seq > 0:
-            self.store.delete_key(f"announce/{self._seq - 1}")
-        self._seq += 1
+        self._handle_reports()
+        if self.membership.needs_epoch() or self._broken:
+            self._form_epoch()
+        members = self.group.world_size - 1 if self.group else 0
+        if self.cfg.delta:
+            snapshot = self._build_snapshot(version, layout, source, send=False)[0]
+            error, sent, delta_tensors = self._send_delta(snapshot)
+        else:
+            snapshot, error = self._build_snapshot(version, layout, source, send=True)
+            sent, delta_tensors = snapshot.nbytes, -1
+        retried = delivered = False
+        if error is None:
+            delivered = True
+        else:
+            retried = True
+            self._abandon_epoch(error)
+            self._form_epoch()
+            members = self.group.world_size - 1 if self.group else 0
+            error = self._send_full(snapshot)
+            sent, delta_tensors = snapshot.nbytes, -1
+            delivered = error is None
+            if error is not None:
+                self._abandon_epoch(error)
+        if delivered and delta_tensors < 0:
+            self._force_full = False
+        retired, self.snapshot = self.snapshot, snapshot
+        if self.transfer is not None:
+            self.transfer.publish(snapshot)
+        if retired is not None:
+            self._host_buffers.retire(retired.flats)  # reused once no pull holds a view of it
+        self.membership.set_published(version)
+        stats = PublishStats(
+            version=version,
+            bytes=sent if (self.group is not None and delivered) else 0,
+            seconds=time.perf_counter() - t0,
+            members=members if delivered else 0,
+            epoch=self.membership.epoch,
+            delta_tensors=delta_tensors,
+            retried=retried,
+            delivered=delivered,
+        )
+        self.metrics.published(stats)
+        return stats
+
+    def _source_for(self, model: torch.nn.Module | ParamSource) -> ParamSource:
+        if self._source is None or self._source[0] is not model:
+            self._source = (model, source_for(model))
+        return self._source[1]
+
+    def _plan(self, source: ParamSource) -> list[Bucket]:
+        specs = source.specs()
+        if self._layout is None or specs != self._specs:
+            self._specs = specs
+            self._layout = plan_buckets(specs, int(self.cfg.bucket_mb * 2**20), cast_to=self.wire_dtype)
+            log.info("weight sync layout: %s", describe(self._layout))
+        return self._layout
+
+    def _gather_only(self, layout: list[Bucket], source: ParamSource) -> None:
+        """Non-zero learner ranks: the same gathers, in the same order, as rank 0."""
+        for bucket in layout:
+            with source.gather(bucket.names):
+                pass
+
+    def _build_snapshot(
+        self, version: int, layout: list[Bucket], source: ParamSource, *, send: bool
+    ) -> tuple[Snapshot, CollectiveError | None]:
+        """Gather and pack bucket by bucket into a host snapshot, broadcasting each bucket as
+        soon as it is packed when `send` (and there is a group)."""
+        flats: list[torch.Tensor] = []
+        sums: list[list[int]] = []
+
+        def produce(i: int, bucket: Bucket) -> tuple[torch.Tensor, list[int]]:
+            on_host = self.device.type == "cpu"
+            out = self._host_buffers.get(bucket) if on_host else empty_bucket(bucket, self.device)
+            with source.gather(bucket.names) as full:
+                packed = pack_bucket(bucket, full, out)
+            host = packed if on_host else self._host_buffers.get(bucket).copy_(packed)
+            flats.append(host)
+            sums.append(slot_checksums(bucket, host))
+            return packed, sums[-1]
+
+        if send:
+            error = self._send(version, layout, produce)
+        else:
+            error = None
+            for i, bucket in enumerate(layout):
+                produce(i, bucket)
+        return Snapshot(version, layout, flats, sums), error
+
+    def _send_full(self, snapshot: Snapshot) -> CollectiveError | None:
+        def produce(i: int, bucket: Bucket) -> tuple[torch.Tensor, list[int]]:
+            return snapshot.flats[i].to(self.device), snapshot.sums[i]
+
+        return self._send(snapshot.version, snapshot.buckets, produce)
+
+    def _send_delta(self, snapshot: Snapshot) -> tuple[CollectiveError | None, int, int]:
+        """(error, bytes sent, tensors sent). Full when members may lack the base."""
+        base = self.snapshot
+        if base is None or self._force_full:
+            return self._send_full(snapshot), snapshot.nbytes, -1
+        changed = {t.name: t for t in snapshot.tensors() if base.checksum_of(t.name) != t.checksum}
+        if self.group is None:
+            return None, 0, len(changed)  # nobody to send to; the snapshot is what counts
+        specs = [TensorSpec(t.name, tuple(t.shape), TORCH_DTYPES[t.dtype]) for t in changed.values()]
+        layout = plan_buckets(specs, int(self.cfg.bucket_mb * 2**20))
+
+        def produce(i: int, bucket: Bucket) -> tuple[torch.Tensor, list[int]]:
+            packed = pack_bucket(bucket, {n: changed[n].data for n in bucket.names}, empty_bucket(bucket))
+            return packed.to(self.device), [changed[n].checksum for n in bucket.names]
+
+        error = self._send(snapshot.version, layout, produce, base_version=base.version)
+        return error, sum(b.nbytes for b in layout), len(changed)
+
+    def _send(
+        self, version: int, layout: list[Bucket], produce: Producer, base_version: int = -1
+    ) -> CollectiveError | None:
+        """Announce, then produce and broadcast bucket by bucket, keeping up to
+        `pipeline_depth` broadcasts in flight. Every bucket is produced even after a failure
+        (learner ranks gather in lockstep, and the snapshot needs every bucket)."""
+        group = self.group
+        seq = -1
+        if group is not None:
+            seq = self.membership.next_seq()
+            self._announce(seq, WeightsAnnouncement(group.epoch, version, layout, base_version))
+        inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        error: CollectiveError | None = None
+        liveness = _Liveness(self.store, group, self.cfg.liveness_timeout_s) if group else None
+
+        def wait_oldest() -> None:
+            wait_work(inflight.popleft()[0], self.cfg.publish_timeout_s, liveness, poll_s=0.25)
+
+        for i, bucket in enumerate(layout):
+            flat, sums = produce(i, bucket)
+            if group is None or error is not None:
+                continue
+            try:
+                self.store.append(sums_key(seq), encode_checksums(sums))  # before the data
+                inflight.append((group.broadcast_async(flat), flat))
+                while len(inflight) >= self.cfg.pipeline_depth:
+                    wait_oldest()
+            except CollectiveError as e:
+                error = e
+        while inflight and error is None:
+            try:
+                wait_oldest()
+            except CollectiveError as e:
+                error = e
+        if error is None and group is not None:
+            error = self._await_reports(group, version, liveness)
+        if error is not None:
+            if liveness is not None and liveness.silent and "heartbeat" not in str(error):
+                error = CollectiveError(f"{error}: no heartbeat from rank(s) {liveness.silent}")
+            self._abandoned_works.append(list(inflight))  # released with the group, not here
+        return error
+
+    def _await_reports(
+        self, group: BroadcastGroup, version: int, liveness: _Liveness
+    ) -> CollectiveError | None:
+        """A publish is complete when every member verified it (or refused it: a data problem,
+        not a group problem). Our side of the broadcast finishing is not enough: in a tree a
+        member may have lost the data another member was to forward."""
+        deadline = time.monotonic() + self.cfg.publish_timeout_s
+        while True:
+            outcomes = self.membership.wait_reports(group.epoch, version, self._members, 0.25)
+            failed = [sid for sid, outcome in outcomes.items() if outcome == "failed"]
+            if failed:
+                return CollectiveError(f"{failed} failed to receive v{version}")
+            if len(outcomes) == len(self._members):
+                return None
+            if liveness():
+                return CollectiveError(f"no heartbeat from rank(s) {liveness.silent} after v{version}")
+            if time.monotonic() > deadline:
+                missing = sorted(set(self._members) - set(outcomes))
+                return CollectiveError(
+                    f"{missing} did not confirm v{version} within {self.cfg.publish_timeout_s}s"
+                )
+
+    # -- membership epochs ---------------------------------------------------------------------
+
+    def _handle_reports(self) -> None:
+        """Receivers' refusals force the next publish to be full; a failed collective on a
+        member's side means the group is broken even if ours succeeded."""
+        for report in self.membership.take_problems():
+            self.metrics.reported(report.outcome)
+            log.warning(
+                "weight sync: %s %s version %d (epoch %d): %s",
+                report.service_id,
+                report.outcome,
+                report.version,
+                report.epoch,
+                report.error,
+            )
+            self._force_full = True
+            if report.outcome == "failed" and self.group is not None and report.epoch == self.group.epoch:
+                self._broken = True
+
+    def _form_epoch(self) -> None:
+        self._drop_group()
+        self._broken = False
+        self._force_full = True
+        seq, epoch, candidates = self.membership.begin_epoch()
+        self._announce(seq, EpochAnnouncement(epoch, [c.service_id for c in candidates]))
+        ready = self._await_ready(epoch, candidates)
+        committed = [c for c in candidates if ready.get(c.service_id) == c.incarnation]
+        dropped = [c for c in candidates if c not in committed]
+        ids = [c.service_id for c in committed]
+        self._members = ids
+        self.store.set(commit_key(epoch), encoder.encode(EpochCommit(epoch, ids, self.backend)))
+        self.membership.commit_epoch(committed, dropped)
+        if dropped:
+            log.warning(
+                "weight sync: epoch %d leaves out %s (no confirmation within %.1fs)",
+                epoch,
+                [c.service_id for c in dropped],
+                self.cfg.ready_timeout_s,
+            )
+        if not committed:
+            log.info("weight sync: epoch %d has no members", epoch)
+            return
+        try:
+            self.group = make_group(
+                self.backend,
+                self.store,
+                0,
+                len(committed) + 1,
+                epoch=epoch,
+                prefix=pg_prefix(epoch),
+                connect_timeout_s=self.cfg.ready_timeout_s,
+                op_timeout_s=self.cfg.publish_timeout_s,
+            )
+        except CollectiveError as e:
+            self._abandon_epoch(e)
+            return
+        log.info("weight sync: epoch %d formed with %s", epoch, ids)
+
+    def _await_ready(self, epoch: int, candidates: list[Candidate]) -> dict[str, str]:
+        """service id -> incarnation of the candidates that confirmed in time."""
+        if not candidates:
+            return {}
+        keys = [ready_key(epoch, c.service_id) for c in candidates]
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        while True:
+            present = [k for k in keys if self.store.check([k])]
+            if len(present) == len(keys) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        values = self.store.multi_get(present) if present else []
+        by_key = dict(zip(present, values))
+        return {c.service_id: by_key[k].decode() for c, k in zip(candidates, keys) if k in by_key}
+
+    def _abandon_epoch(self, error: Exception) -> None:
+        epoch = self.group.epoch if self.group is not None else self.membership.epoch
+        log.warning("weight sync: epoch %d abandoned: %s", epoch, error)
+        self.store.set(abort_key(epoch), b"1")
+        self._drop_group()
+        self._broken = True
+        self.membership.count("failures")
+        self.metrics.failed()
+
+    def _drop_group(self) -> None:
+        if self.group is not None:
+            self._droppers = [d for d in self._droppers if d.is_alive()]
+            self._droppers.append(self.group.close(pending=self._abandoned_works))
+            self._abandoned_works = []
+            self.group = None
+
+    def _announce(self, seq: int, announcement: Announcement) -> None:
+        self.store.set(ann_key(seq), encoder.encode(announcement))
+        self.store.set(HEAD_KEY, str(seq + 1).encode())
+        old = seq - KEEP_ANNOUNCEMENTS
+        if old >= 0:
+            self.store.delete_key(ann_key(old))
+            self.store.delete_key(sums_key(old))

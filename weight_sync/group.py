@@ -1,18 +1,41 @@
-"""The broadcast group between the learner and rollout services.
+"""The broadcast group between the learner and rollout services, one per membership epoch.
 
 A stateless torch.distributed process group (not the default group: a learner already has its
-own DDP/ZeRO group, and rollout processes have none), built over a TCPStore served by learner
-rank 0. The backend follows the device: nccl on CUDA, hccl on Ascend (torch_npu), gloo on CPU;
-everything above this module is the same code for all three.
+own DDP/ZeRO group, and rollout processes have none), built over a PrefixStore (one prefix per
+epoch) on the TCPStore served by learner rank 0. The backend follows the device: nccl on CUDA,
+hccl on Ascend (torch_npu), gloo on CPU; everything above this module is the same code for all
+three.
+
+Failure rules:
+- The group is built with the (short) ready timeout, so a member that died between confirming
+  and connecting costs at most that long; its collectives then use the publish timeout.
+- Collectives are asynchronous (`broadcast_async` returns the work). `wait_work` waits on the
+  work's future, never forever: it gives up at a deadline, or at once when `should_abort` says
+  so (the learner abandoned the epoch, or the receiver is stopping). A gloo op whose peer died
+  is not woken by the peer's socket closing (it waits out its timeout), so the learner's abort
+  key is what frees a receiver stuck in a collective the learner will never finish.
+- A group is never reused after a failure: `close()` drops it (NCCL/HCCL communicators are
+  aborted), and the next epoch builds a new one under a new prefix.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the group failed (peer gone, timeout) or was abandoned."""
+
+
+class CollectiveAborted(CollectiveError):
+    """`should_abort` turned true while waiting: the epoch was abandoned or we are stopping."""
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -21,12 +44,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
 
 
-def open_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
-    """Rank 0 serves the store; the others connect to it, retrying until `timeout_s`."""
+def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 serves the store; receivers connect to it, retrying until `timeout_s`. No world
+    size: membership is elastic, the store does not count workers."""
     return dist.TCPStore(
         host,
         port,
-        world_size,
+        None,
         is_master=is_master,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
@@ -41,11 +65,55 @@ class BroadcastGroup:
     rank: int
     world_size: int
     backend: str
+    epoch: int
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast_async(self, tensor: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        self.pg.broadcast([tensor], opts).wait()
+        opts.rootRank = 0
+        try:
+            return self.pg.broadcast([tensor], opts)
+        except RuntimeError as e:  # gloo raises at enqueue when the group is already broken
+            raise CollectiveError(f"epoch {self.epoch}: broadcast could not start: {e}") from e
+
+    def close(self, pending: list | None = None) -> threading.Thread | None:
+        """Drop the group without waiting for it. A gloo group's destructor waits until its
+        queued ops ran, and an op whose peer is gone only ends at its timeout: so the last
+        reference (and the `pending` works and buffers of an abandoned collective) is released
+        in a short-lived daemon thread, never in the caller. Returns that thread: a process
+        about to exit joins it (a group torn down during interpreter exit aborts the process)."""
+        if self.pg is None:
+            return None
+        if self.backend in ("nccl", "hccl"):
+            try:
+                self.pg.abort()
+            except RuntimeError:
+                pass  # already torn down by its watchdog
+        box = [self.pg, pending]
+        self.pg = None  # type: ignore[assignment]
+        dropper = threading.Thread(target=box.clear, name="weight-sync-drop-group", daemon=True)
+        dropper.start()
+        return dropper
+
+
+def wait_work(
+    work: dist.Work,
+    timeout_s: float,
+    should_abort: Callable[[], bool] | None = None,
+    poll_s: float = 0.2,
+) -> None:
+    """Wait for a collective; raise CollectiveError on failure, timeout or abort."""
+    done = threading.Event()
+    work.get_future().add_done_callback(lambda _: done.set())
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(poll_s if should_abort is not None else max(0.0, deadline - time.monotonic())):
+        if should_abort is not None and should_abort():
+            raise CollectiveAborted("abandoned while waiting for a collective")
+        if time.monotonic() >= deadline:
+            raise CollectiveError(f"collective did not complete within {timeout_s:.1f}s")
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise CollectiveError(str(e).splitlines()[0]) from e
 
 
 def make_group(
@@ -53,19 +121,35 @@ def make_group(
     store: dist.Store,
     rank: int,
     world_size: int,
-    timeout_s: float,
-    prefix: str = "weights/epoch0/",
+    *,
+    epoch: int,
+    prefix: str,
+    connect_timeout_s: float,
+    op_timeout_s: float,
 ) -> BroadcastGroup:
-    """Join the group (blocks until all world_size ranks have joined or `timeout_s` passes)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
+    """Join epoch `epoch`'s group (blocks until all world_size ranks have joined, or raises
+    CollectiveError after `connect_timeout_s`)."""
+    connect = datetime.timedelta(seconds=connect_timeout_s)
     scoped = dist.PrefixStore(prefix, store)
+    try:
+        pg = _new_process_group(backend, scoped, rank, world_size, connect)
+    except (RuntimeError, dist.DistError) as e:
+        raise CollectiveError(f"epoch {epoch}: group of {world_size} did not form: {e}") from e
+    if hasattr(pg, "_set_default_timeout"):
+        pg._set_default_timeout(datetime.timedelta(seconds=op_timeout_s))
+    return BroadcastGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, epoch=epoch)
+
+
+def _new_process_group(
+    backend: str, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.ProcessGroup:
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(scoped, rank, world_size, timeout)
-    elif backend == "nccl":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(scoped, rank, world_size, opts)
-    elif backend == "hccl":
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    if backend == "hccl":
         try:
             import torch_npu  # noqa: F401  (registers the hccl backend)
             from torch_npu._C._distributed_c10d import ProcessGroupHCCL
@@ -73,7 +157,5 @@ def make_group(
             raise RuntimeError("weight_sync.backend=hccl needs torch_npu (Ascend)") from e
         opts = ProcessGroupHCCL.Options()
         opts._timeout = timeout
-        pg = ProcessGroupHCCL(scoped, rank, world_size, opts)
-    else:
-        raise ValueError(f"weight_sync.backend={backend!r}: expected gloo, nccl or hccl")
-    return BroadcastGroup(pg=pg, rank=rank, world_size=world_size, backend=backend)
+        return ProcessGroupHCCL(store, rank, world_size, opts)
+    raise ValueError(f"weight_sync.backend={backend!r}: expected gloo, nccl or hccl")

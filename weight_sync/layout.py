@@ -1,17 +1,20 @@
-"""How a model's parameters are packed into flat buckets, and the announcement of a version.
+"""How a model's tensors are packed into flat buckets, and how their bytes are checksummed.
 
-The learner plans the layout (buckets by dtype, about `bucket_bytes` each), packs parameters
-into flat buffers bucket by bucket, and announces `(version, layout, checksums)` before the
-data. Receivers allocate the same buckets, receive them, verify each checksum, and unpack
-named views. The layout is plain data (msgspec), so it travels in msgpack like every header.
+The learner plans the layout (tensors grouped by wire dtype into buckets of about
+`bucket_bytes`, in the source's order), packs tensors into flat buffers bucket by bucket
+(casting floating-point tensors to the wire dtype on the way), and checksums every tensor's
+bytes. Receivers allocate the same buckets, receive them, verify each tensor's checksum, and
+unpack named views. The layout is plain data (msgspec), so it travels in msgpack like every
+header.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Literal
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 import xxhash
 
@@ -22,85 +25,130 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "int64": torch.int64,
     "int32": torch.int32,
+    "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
-class TensorSlot(msgspec.Struct, frozen=True):
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a parameter source declares about one tensor: its full (unsharded) shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class TensorSlot(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str  # parameter name (Hugging Face naming, which vLLM's load_weights also takes)
     shape: list[int]
     offset: int  # first element inside the bucket
     numel: int
 
 
-class Bucket(msgspec.Struct, frozen=True):
+class Bucket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     dtype: str  # key of TORCH_DTYPES; every slot of the bucket has this dtype
     numel: int
     slots: list[TensorSlot]
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=TORCH_DTYPES[self.dtype]).element_size()
+        return self.numel * itemsize(self.dtype)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.slots]
 
 
-class Announcement(msgspec.Struct, frozen=True):
-    """Written by the broadcaster before a version's data; read by every receiver."""
+def itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
 
-    kind: Literal["weights", "shutdown"]
-    version: int = -1  # policy version the weights are (learner optimizer steps)
-    buckets: list[Bucket] = []
-    checksums: list[int] = []  # xxh3_64 of each bucket's bytes, in bucket order
+
+def wire_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
+    """Floating-point tensors travel as `cast_to` (when given); others keep their dtype."""
+    return cast_to if (cast_to is not None and dtype.is_floating_point) else dtype
 
 
 def plan_buckets(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, cast_to: torch.dtype | None = None
+    specs: Iterable[TensorSpec], bucket_bytes: int, cast_to: torch.dtype | None = None
 ) -> list[Bucket]:
-    """Greedy packing in parameter order, one dtype per bucket. A tensor larger than a bucket
-    gets a bucket of its own; tensors are never split."""
+    """Greedy packing in source order, one dtype per bucket. A tensor larger than a bucket
+    gets a bucket of its own; tensors are never split (so a sharded source can gather a
+    bucket's tensors whole)."""
     open_: dict[str, list[TensorSlot]] = {}
     fill: dict[str, int] = {}
     buckets: list[Bucket] = []
-    for name, tensor in named:
-        dtype = cast_to if (cast_to is not None and tensor.is_floating_point()) else tensor.dtype
-        key = DTYPE_NAMES[dtype]
-        item = torch.empty((), dtype=dtype).element_size()
-        numel = tensor.numel()
-        if key in open_ and (fill[key] + numel) * item > bucket_bytes:
+    for spec in specs:
+        key = DTYPE_NAMES[wire_dtype(spec.dtype, cast_to)]
+        size = itemsize(key)
+        if key in open_ and (fill[key] + spec.numel) * size > bucket_bytes:
             buckets.append(Bucket(key, fill[key], open_.pop(key)))
             fill[key] = 0
         slots = open_.setdefault(key, [])
-        slots.append(TensorSlot(name, list(tensor.shape), fill.get(key, 0), numel))
-        fill[key] = fill.get(key, 0) + numel
+        slots.append(TensorSlot(spec.name, list(spec.shape), fill.get(key, 0), spec.numel))
+        fill[key] = fill.get(key, 0) + spec.numel
     for key, slots in open_.items():
         buckets.append(Bucket(key, fill[key], slots))
     return buckets
 
 
-def pack_bucket(bucket: Bucket, params: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One flat tensor holding the bucket's parameters (cast to the bucket dtype)."""
-    flat = torch.empty(bucket.numel, dtype=TORCH_DTYPES[bucket.dtype], device=device)
-    for slot in bucket.slots:
-        flat[slot.offset : slot.offset + slot.numel].copy_(params[slot.name].detach().reshape(-1))
-    return flat
-
-
-def empty_bucket(bucket: Bucket, device: torch.device) -> torch.Tensor:
+def empty_bucket(bucket: Bucket, device: torch.device | str = "cpu") -> torch.Tensor:
     return torch.empty(bucket.numel, dtype=TORCH_DTYPES[bucket.dtype], device=device)
 
 
+def pack_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """Copy the bucket's tensors into `out` (a flat tensor of the bucket's dtype), casting to
+    the bucket dtype on the way."""
+    for slot in bucket.slots:
+        src = tensors[slot.name].detach()
+        if src.numel() != slot.numel:
+            raise ValueError(f"tensor {slot.name!r} has {src.numel()} elements, the layout says {slot.numel}")
+        out[slot.offset : slot.offset + slot.numel].copy_(src.reshape(-1))
+    return out
+
+
 def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Named views into a received bucket (no copies)."""
+    """Named views into a bucket (no copies)."""
     return [(s.name, flat[s.offset : s.offset + s.numel].view(s.shape)) for s in bucket.slots]
 
 
-def checksum(flat: torch.Tensor) -> int:
-    """xxh3_64 of the tensor's bytes (computed on host memory)."""
-    host = flat.detach().contiguous()
-    if host.device.type != "cpu":
-        host = host.cpu()
-    return xxhash.xxh3_64_intdigest(memoryview(host.view(torch.uint8).numpy()))
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, without copying."""
+    if tensor.device.type != "cpu":
+        raise ValueError("tensor_bytes needs a host tensor")
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """xxh3-64 of a host tensor's bytes (xxhash releases the GIL: a collective moving other
+    bytes in its own thread is not held up)."""
+    return xxhash.xxh3_64_intdigest(tensor_bytes(tensor))
+
+
+def slot_checksums(bucket: Bucket, host_flat: torch.Tensor) -> list[int]:
+    """One checksum per tensor of the bucket, in slot order."""
+    return [checksum(host_flat[s.offset : s.offset + s.numel]) for s in bucket.slots]
+
+
+def encode_checksums(sums: Sequence[int]) -> bytes:
+    """Checksums as little-endian uint64 words (how they are appended to the store)."""
+    return np.asarray(sums, dtype="<u8").tobytes()
+
+
+def decode_checksums(raw: bytes) -> list[int]:
+    if len(raw) % 8:
+        raise ValueError(f"checksum record of {len(raw)} bytes is not a multiple of 8")
+    return [int(x) for x in np.frombuffer(raw, dtype="<u8")]
 
 
 def total_bytes(buckets: Sequence[Bucket]) -> int:

@@ -1,68 +1,150 @@
-"""Rollout side of weight sync: a thread that takes part in every broadcast.
+"""Rollout side of weight sync: a thread that keeps a verified copy of the newest weights.
 
 Rules:
-- Group rank = 1 + rollout index; the thread joins the group at start and then follows the
-  announcement sequence `announce/0, 1, 2, ...` in the learner's store.
-- Data lands in fresh buckets, never in the live model: generation goes on meanwhile. After
-  every bucket of a version passed its checksum, the version becomes `latest`; the rollout
-  loop takes it at a safe point and loads it into its engine in place.
-- A bucket whose checksum does not match makes the whole version refused: the old weights
-  stay, the error is counted and logged, and the next version is awaited.
-- A `shutdown` announcement ends the thread; any other failure (learner gone, collective
-  timeout) is kept in `error` and ends the thread: the rollout loop checks it and stops loudly.
+- Joining: pull the learner's current version over ZeroMQ (if newer than what is held), then
+  JOIN over the control plane and follow the store's announcements from the `seq` the reply
+  names. An `epoch` announcement that lists this service: confirm (`ws/ep<e>/ready/<id>`),
+  read the commit, build the epoch's group with the rank the commit gives. One that does not
+  list it while it is in a group: the learner moved on without it, so it joins again.
+- A `weights` announcement of its epoch: receive every bucket into fresh buffers (never the
+  live model: generation goes on meanwhile), verify every tensor's checksum, check the layout
+  (and, for a delta, that the base is the version held). Any mismatch refuses the whole
+  version: the old weights stay, the refusal is counted, logged and reported to the learner
+  (SYNC_REPORT). Verified versions become `latest`; the rollout loop takes them at a safe
+  point and loads them into its engine in place.
+- A collective that fails (peer gone, timeout) or is abandoned by the learner (`abort` key)
+  drops the group: the receiver reports it and waits for the next epoch. Nothing waits
+  forever: every store wait and collective has a timeout, and `stop()` ends waits promptly.
+- `shutdown` (the learner is done) ends the thread with `finished` set and `error` None; a
+  lost learner (store or control plane unreachable) ends it with `error` set. The rollout loop
+  checks both. A stopping receiver LEAVEs, so the group is rebuilt without it.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import os
 import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import msgspec
 import torch
+import torch.distributed as dist
+import zmq
 
 from sluice.config.weight_sync import WeightSyncConfig
-from weight_sync.group import make_group, open_store, resolve_backend
-from weight_sync.layout import Announcement, checksum, empty_bucket, unpack_bucket
+from sluice.control.client import ControlClient
+from sluice.rpc import RpcError, RpcTimeout
+from weight_sync.announcements import (
+    CONTROL_KEY,
+    HEAD_KEY,
+    TRANSFER_KEY,
+    EpochAnnouncement,
+    ShutdownAnnouncement,
+    WeightsAnnouncement,
+    abort_key,
+    ann_key,
+    announcement_decoder,
+    beat_key,
+    commit_decoder,
+    commit_key,
+    pg_prefix,
+    ready_key,
+    sums_key,
+)
+from weight_sync.buffers import BufferPool
+from weight_sync.group import BroadcastGroup, CollectiveError, make_group, wait_work
+from weight_sync.layout import decode_checksums, slot_checksums, unpack_bucket
+from weight_sync.transfer_client import TransferError, pull_snapshot
 
 log = logging.getLogger(__name__)
+
+_POLL_S = 0.2  # how often waits look at stop() and the abort key
+_STORE_POLL_S = 0.005  # how often a wait for a store key asks the store
 
 
 @dataclass
 class ReceivedWeights:
     version: int
-    tensors: list[tuple[str, torch.Tensor]]  # named views into the received buckets
+    tensors: list[tuple[str, torch.Tensor]]  # every tensor of the model (views; never mutated)
+
+
+class _Rejoin(Exception):
+    """This receiver is not (or no longer) in the learner's membership: pull and JOIN again."""
 
 
 class WeightReceiver:
-    def __init__(self, cfg: WeightSyncConfig, rank: int, world_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: WeightSyncConfig,
+        service_id: str,
+        device: torch.device = torch.device("cpu"),
+        *,
+        control_endpoint: str | None = None,
+        zmq_ctx: zmq.Context | None = None,
+        expected: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        """`service_id`: who this receiver is in the membership (one per rollout service).
+        `control_endpoint`: where to JOIN; None: the endpoint the learner advertises in the
+        store. Group ranks come from the membership epochs. `expected` (name -> shape), when
+        given, is checked against every layout: unknown names, wrong shapes, or missing names
+        refuse the version."""
         self.cfg = cfg
-        self.rank = rank
-        self.world_size = world_size
+        self.service_id = service_id
+        self.incarnation = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.control_endpoint = control_endpoint
+        self.zmq_ctx = zmq_ctx  # None: plain sockets; a secure context with security.curve
         self.device = device
-        self.backend = resolve_backend(cfg.backend, device)
+        self.expected = {k: list(v) for k, v in expected.items()} if expected is not None else None
         self.error: BaseException | None = None
+        self.version = -1  # newest verified version held
+        self.epoch = 0  # epoch of the group it is in (0: none)
         self.refused_versions = 0
+        self.failures = 0
+        self.pulls = 0
         self.finished = threading.Event()  # shutdown announced, or failed
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._latest: ReceivedWeights | None = None
         self._arrived = threading.Condition(self._lock)
+        self._latest: ReceivedWeights | None = None
+        # The held version's tensors, kept only as the base of deltas (weight_sync.delta): once
+        # the rollout loop took and loaded a version, the engine holds the only other copy.
+        self._current: dict[str, torch.Tensor] = {}
+        self._group: BroadcastGroup | None = None
+        self._droppers: list[threading.Thread] = []  # threads releasing dropped groups
+        self._buffers = BufferPool(device)
+        self._registered = False
+        self._listed = False  # an epoch listed it since it last joined
+        self._seq = 0
+        self._last_pull = 0.0
+        self._store: dist.TCPStore | None = None
+        self._control: ControlClient | None = None
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
-        self._decoder = msgspec.msgpack.Decoder(Announcement)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Leave the group and end the thread (waits up to `timeout_s` for it)."""
         self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s)
 
     def take_latest(self) -> ReceivedWeights | None:
         """The newest verified version not yet taken (older untaken ones are skipped)."""
         with self._lock:
             latest, self._latest = self._latest, None
             return latest
+
+    def held(self) -> ReceivedWeights | None:
+        """The newest verified version (taken or not), when kept as a delta base."""
+        with self._lock:
+            if self.version < 0 or not self._current:
+                return None
+            return ReceivedWeights(self.version, list(self._current.items()))
 
     def wait_for_weights(self, timeout_s: float) -> ReceivedWeights | None:
         with self._arrived:
@@ -75,51 +157,331 @@ class WeightReceiver:
     # -- thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        shutdown = False
         try:
-            store = open_store(
-                self.cfg.master_addr, self.cfg.master_port, self.world_size, False, self.cfg.timeout_s
+            self._store = dist.TCPStore(
+                self.cfg.master_addr,
+                self.cfg.master_port,
+                None,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
+                wait_for_workers=False,
             )
-            group = make_group(self.backend, store, self.rank, self.world_size, self.cfg.timeout_s)
-            seq = 0
-            while not self._stop.is_set():
-                announcement = self._next_announcement(store, seq)
-                if announcement is None or announcement.kind == "shutdown":
-                    break
-                seq += 1
-                flats = []
-                for bucket in announcement.buckets:
-                    flat = empty_bucket(bucket, self.device)
-                    group.broadcast(flat, src=0)
-                    flats.append(flat)
-                bad = [i for i, (f, c) in enumerate(zip(flats, announcement.checksums)) if checksum(f) != c]
-                if bad or len(announcement.checksums) != len(flats):
-                    self.refused_versions += 1
-                    log.error(
-                        "weight sync: version %d refused, checksum mismatch in buckets %s; "
-                        "keeping the current weights",
-                        announcement.version,
-                        bad,
-                    )
-                    continue
-                tensors = [t for b, f in zip(announcement.buckets, flats) for t in unpack_bucket(b, f)]
-                with self._arrived:
-                    self._latest = ReceivedWeights(announcement.version, tensors)
-                    self._arrived.notify_all()
+            endpoint = self.control_endpoint or self._store.get(CONTROL_KEY).decode()
+            self._control = ControlClient(endpoint, timeout_s=min(10.0, self.cfg.timeout_s), ctx=self.zmq_ctx)
+            shutdown = self._follow()
         except BaseException as e:  # noqa: BLE001 - surfaced to the rollout loop via .error
             if not self._stop.is_set():
                 log.exception("weight receiver failed")
                 self.error = e
         finally:
+            self._drop_group()
+            for dropper in self._droppers:  # groups torn down at interpreter exit abort it
+                dropper.join(timeout=min(10.0, self.cfg.publish_timeout_s))
+            if self._registered and self._control is not None:
+                self._leave(shutdown)
+            if self._control is not None:
+                self._control.close()
             with self._arrived:
                 self.finished.set()
                 self._arrived.notify_all()
 
-    def _next_announcement(self, store, seq: int) -> Announcement | None:
-        key = f"announce/{seq}"
+    def _follow(self) -> bool:
+        """Follow the announcements until shutdown (True) or stop (False)."""
         while not self._stop.is_set():
             try:
-                store.wait([key], datetime.timedelta(seconds=1))
-            except torch.distributed.DistStoreError:
-                continue  # "wait timeout": not announced yet. DistNetworkError (learner gone) propagates.
-            return self._decoder.decode(store.get(key))
+                if not self._registered:
+                    self._join()
+                    continue
+                announcement = self._next_announcement()
+                if announcement is None:
+                    return False
+                if isinstance(announcement, ShutdownAnnouncement):
+                    log.info("weight receiver: the learner announced shutdown")
+                    return True
+                if isinstance(announcement, EpochAnnouncement):
+                    self._enter_epoch(announcement)
+                elif self._group is not None and announcement.epoch == self._group.epoch:
+                    self._receive(self._seq - 1, announcement)
+                else:
+                    self._catch_up(announcement.version)
+            except _Rejoin as why:
+                if self._stop.is_set():
+                    break  # still registered: the LEAVE on the way out removes it
+                log.info("weight receiver: joining again (%s)", why)
+                self._drop_group()
+                self._registered = False
+        return False
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        """Pull the current version if newer than what is held, then JOIN."""
+        self._pull()
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while not self._stop.is_set():
+            try:
+                reply = self._control.join(self.service_id, self.incarnation, self.version)
+                break
+            except RpcTimeout:
+                if time.monotonic() > deadline:
+                    raise
+        else:
+            return
+        self._seq = reply.seq
+        self._registered = True
+        self._listed = False
+        log.info(
+            "weight receiver: %s joined (holds v%d; epoch %d, next announcement %d)",
+            self.service_id,
+            self.version,
+            reply.epoch,
+            reply.seq,
+        )
+        if reply.published_version > self.version:
+            self._pull()  # published between the pull and the JOIN
+
+    def _catch_up(self, version: int) -> None:
+        """A version went out over a group this receiver is not in (it joined after the epoch
+        formed, or its group failed): pull it once the learner finished publishing it, rather
+        than generate with older weights until the next epoch. Gives up when a newer
+        announcement comes (the next epoch may list it)."""
+        deadline = time.monotonic() + self.cfg.publish_timeout_s
+        while self.version < version and not self._stop.is_set() and time.monotonic() < deadline:
+            self._pull()
+            if self.version >= version or int(self._store.get(HEAD_KEY)) > self._seq:
+                return
+            time.sleep(0.05)
+
+    def _pull(self) -> None:
+        """The late joiner's path: the learner's snapshot over ZeroMQ, if newer than held."""
+        self._last_pull = time.monotonic()
+        endpoint = self._store.get(TRANSFER_KEY).decode()
+        try:
+            pulled = pull_snapshot(
+                endpoint,
+                self.cfg.transfer,
+                newer_than=self.version,
+                device=self.device,
+                should_stop=self._stop.is_set,
+                ctx=self.zmq_ctx,
+            )
+        except TransferError as e:
+            if not self._stop.is_set():
+                log.warning(
+                    "weight receiver: pull from %s failed (%s); keeping v%d", endpoint, e, self.version
+                )
+            return
+        if pulled is None:
+            return
+        self.pulls += 1
+        log.info(
+            "weight receiver: pulled v%d (%.1f MiB in %.2fs)",
+            pulled.version,
+            pulled.nbytes / 2**20,
+            pulled.seconds,
+        )
+        problem = self._layout_problem(pulled.version, pulled.tensors, full=True)
+        if problem:
+            self._refuse(0, pulled.version, problem)
+            return
+        self._accept(pulled.version, pulled.tensors)
+        self._report(0, pulled.version, "ok")
+
+    def _leave(self, shutdown: bool) -> None:
+        self._control.timeout_s = 2.0  # best effort: the learner may be gone
+        try:
+            self._control.leave(self.service_id, self.incarnation)
+        except (RpcTimeout, RpcError) as e:
+            if not shutdown:
+                log.warning("weight receiver: LEAVE not acknowledged: %s", e)
+
+    def _enter_epoch(self, ann: EpochAnnouncement) -> None:
+        if self.service_id not in ann.candidates:
+            if self._listed:  # the learner removed it (left out of a commit, or replaced)
+                raise _Rejoin(f"epoch {ann.epoch} does not list {self.service_id}")
+            return  # joined after this epoch's candidates were chosen: the next one lists it
+        self._listed = True
+        self._drop_group()
+        self._store.set(ready_key(ann.epoch, self.service_id), self.incarnation.encode())
+        commit = commit_decoder.decode(
+            self._wait_key(commit_key(ann.epoch), 2 * self.cfg.ready_timeout_s + self.cfg.publish_timeout_s)
+        )
+        if self.service_id not in commit.members:
+            raise _Rejoin(f"left out of epoch {ann.epoch}")
+        rank = commit.members.index(self.service_id) + 1
+        try:
+            self._group = make_group(
+                commit.backend,
+                self._store,
+                rank,
+                len(commit.members) + 1,
+                epoch=ann.epoch,
+                prefix=pg_prefix(ann.epoch),
+                connect_timeout_s=self.cfg.ready_timeout_s,
+                op_timeout_s=self.cfg.publish_timeout_s,
+            )
+        except CollectiveError as e:
+            self.failures += 1
+            log.warning("weight receiver: %s", e)
+            self._report(ann.epoch, self.version, "failed", str(e))
+            return
+        self.epoch = ann.epoch
+        log.info(
+            "weight receiver: %s is rank %d of %d in epoch %d",
+            self.service_id,
+            rank,
+            len(commit.members) + 1,
+            ann.epoch,
+        )
+
+    def _drop_group(self, pending: list | None = None) -> None:
+        if self._group is not None:
+            self._droppers = [d for d in self._droppers if d.is_alive()]
+            self._droppers.append(self._group.close(pending))
+            self._group = None
+            self.epoch = 0
+
+    # -- store waits ---------------------------------------------------------------------------
+
+    def _next_announcement(self):
+        key = ann_key(self._seq)
+        while not self._stop.is_set():
+            if self._wait_once(key):
+                announcement = announcement_decoder.decode(self._store.get(key))
+                self._seq += 1
+                return announcement
+            if int(self._store.get(HEAD_KEY)) > self._seq and not self._store.check([key]):
+                raise _Rejoin(f"announcement {self._seq} was pruned: fell behind")
+            if self.version < 0 and self._group is None and time.monotonic() - self._last_pull > 1.0:
+                self._pull()  # holds nothing and is not in a group yet: do not wait for an epoch
         return None
+
+    def _wait_key(self, key: str, timeout_s: float) -> bytes:
+        deadline = time.monotonic() + timeout_s
+        while not self._wait_once(key):
+            if self._stop.is_set():
+                raise _Rejoin("stopping")
+            if time.monotonic() > deadline:
+                raise _Rejoin(f"{key} not written within {timeout_s:.0f}s")
+        return self._store.get(key)
+
+    def _wait_once(self, key: str) -> bool:
+        """Whether `key` appears within _POLL_S. Polls `check` (a store `wait` that times out
+        logs a C++ warning each time); DistNetworkError (learner gone) propagates. A member
+        bumps its heartbeat on every call."""
+        deadline = time.monotonic() + _POLL_S
+        if self._group is not None:  # idle members beat too: the learner may still be sending
+            self._store.add(beat_key(self._group.epoch, self._group.rank), 1)
+        while not self._store.check([key]):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_STORE_POLL_S)
+        return True
+
+    def _abandoned(self, epoch: int, rank: int) -> Callable[[], bool]:
+        """Polled while waiting in a collective: bump this member's heartbeat (the learner
+        watches it), and give up if the learner abandoned the epoch or we are stopping."""
+
+        def check() -> bool:
+            self._store.add(beat_key(epoch, rank), 1)
+            return self._stop.is_set() or self._store.check([abort_key(epoch)])
+
+        return check
+
+    # -- versions ------------------------------------------------------------------------------
+
+    def _receive(self, seq: int, ann: WeightsAnnouncement) -> None:
+        group = self._group
+        flats = [self._buffers.get(b) for b in ann.buckets]
+        works: list = []
+        bad: list[str] = []
+        try:
+            works.extend(group.broadcast_async(f) for f in flats)
+            sums: list[int] = []
+            first = 0
+            for bucket, work, flat in zip(ann.buckets, works, flats):
+                wait_work(work, self.cfg.publish_timeout_s, self._abandoned(ann.epoch, group.rank), _POLL_S)
+                end = first + len(bucket.slots)
+                if len(sums) < end:  # appended before the bucket's data: present by now
+                    sums = decode_checksums(self._store.get(sums_key(seq)))
+                host = flat if flat.device.type == "cpu" else flat.cpu()
+                got = slot_checksums(bucket, host)
+                bad += [s.name for s, g, e in zip(bucket.slots, got, sums[first:end]) if g != e]
+                first = end
+        except CollectiveError as e:
+            self._drop_group(pending=[works, flats])
+            works, flats = [], []
+            self.failures += 1
+            log.warning("weight receiver: v%d over epoch %d failed: %s", ann.version, ann.epoch, e)
+            self._report(ann.epoch, ann.version, "failed", str(e))
+            return
+        tensors = {n: t for b, f in zip(ann.buckets, flats) for n, t in unpack_bucket(b, f)}
+        self._buffers.retire(flats)  # reused once the rollout loop dropped its views
+        if bad:
+            self._refuse(ann.epoch, ann.version, f"checksum mismatch in {len(bad)} tensors, e.g. {bad[:3]}")
+            return
+        if ann.base_version >= 0:
+            if ann.base_version != self.version:
+                self._refuse(
+                    ann.epoch,
+                    ann.version,
+                    f"delta on v{ann.base_version}, this receiver holds v{self.version}",
+                )
+                return
+            tensors = self._merge(tensors)
+        problem = self._layout_problem(ann.version, tensors, full=True)
+        if problem:
+            self._refuse(ann.epoch, ann.version, problem)
+            return
+        self._accept(ann.version, tensors)
+        self._report(ann.epoch, ann.version, "ok")
+
+    def _merge(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The held version with the delta's tensors replaced. Handed-out tensors are never
+        written; when old buckets kept alive by a few unchanged views hold more than twice the
+        model's bytes, the result is compacted into fresh tensors."""
+        merged = {**self._current, **delta}
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in merged.values()}
+        model_bytes = sum(t.numel() * t.element_size() for t in merged.values())
+        if sum(storages.values()) > 2 * model_bytes:
+            merged = {n: t.clone() for n, t in merged.items()}
+        return merged
+
+    def _layout_problem(self, version: int, tensors: Mapping[str, torch.Tensor], full: bool) -> str:
+        if version < self.version:
+            return f"v{version} is older than the held v{self.version}"
+        if self.expected is None:
+            return ""
+        unknown = [n for n in tensors if n not in self.expected]
+        if unknown:
+            return f"{len(unknown)} tensors the engine does not have, e.g. {unknown[:3]}"
+        wrong = [n for n, t in tensors.items() if list(t.shape) != self.expected[n]]
+        if wrong:
+            n = wrong[0]
+            got, want = list(tensors[n].shape), self.expected[n]
+            return f"{len(wrong)} tensors of the wrong shape, e.g. {n}: {got} != {want}"
+        missing = [n for n in self.expected if n not in tensors] if full else []
+        if missing:
+            return f"{len(missing)} tensors missing, e.g. {missing[:3]}"
+        return ""
+
+    def _accept(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        with self._arrived:
+            self._current = tensors if self.cfg.delta else {}
+            self.version = version
+            self._latest = ReceivedWeights(version, list(tensors.items()))
+            self._arrived.notify_all()
+
+    def _refuse(self, epoch: int, version: int, why: str) -> None:
+        self.refused_versions += 1
+        log.error("weight sync: version %d refused (%s); keeping v%d", version, why, self.version)
+        self._report(epoch, version, "refused", why)
+
+    def _report(self, epoch: int, version: int, outcome: str, error: str = "") -> None:
+        try:
+            self._control.sync_report(
+                self.service_id, self.incarnation, epoch=epoch, version=version, outcome=outcome, error=error
+            )
+        except (RpcTimeout, RpcError) as e:
+            log.warning("weight receiver: SYNC_REPORT not acknowledged: %s", e)

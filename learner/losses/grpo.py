@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from learner.losses.aggregate import Aggregation, Denominator, aggregate
+
 
 def group_advantages(
     rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-4, normalize_std: bool = True
@@ -54,14 +56,18 @@ def grpo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     is_cap: float,
+    mode: Aggregation = "token",
+    denom: Denominator | None = None,
 ) -> PolicyLossOutput:
-    """logprobs, behaviour_logprobs, mask: [B, T]; advantages: [B]. Token-level mean."""
+    """logprobs, behaviour_logprobs, mask: [B, T]; advantages: [B]. `denom` holds the counts
+    of the whole batch when this is one piece of it (default: this batch's own counts)."""
+    denom = denom or Denominator.of(mask)
     mask = mask.to(logprobs.dtype)
-    n_tokens = mask.sum().clamp(min=1.0)
+    n_tokens = torch.tensor(max(denom.tokens, 1.0))
     log_ratio = (logprobs.detach() - behaviour_logprobs) * mask
     weight = torch.exp(log_ratio).clamp(max=is_cap)
     surrogate = weight * advantages[:, None] * logprobs
-    loss = -(surrogate * mask).sum() / n_tokens
+    loss = aggregate(-surrogate, mask, mode, denom)
     with torch.no_grad():
         truncated = ((torch.exp(log_ratio) >= is_cap).to(mask.dtype) * mask).sum() / n_tokens
         return PolicyLossOutput(

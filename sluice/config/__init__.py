@@ -2,24 +2,33 @@
 
 from sluice.config.buffer import BufferConfig
 from sluice.config.control import ControlConfig
-from sluice.config.learner import LearnerConfig, LossConfig
+from sluice.config.env import EnvConfig
+from sluice.config.learner import GroupPorts, LearnerConfig, LossConfig
 from sluice.config.loader import ConfigError, dump_config, load_config
-from sluice.config.model import ModelConfig, TinyModelInit
+from sluice.config.model import MLPModelInit, ModelConfig, TinyModelInit
+from sluice.config.ray import RayConfig, RoleResources
 from sluice.config.rollout import RolloutConfig, TaskConfig
 from sluice.config.run import MetricsConfig, RunConfig, RunSection
+from sluice.config.security import SecurityConfig
 from sluice.config.weight_sync import WeightSyncConfig
 
 __all__ = [
     "BufferConfig",
     "ConfigError",
     "ControlConfig",
+    "EnvConfig",
+    "GroupPorts",
     "LearnerConfig",
     "LossConfig",
+    "MLPModelInit",
     "MetricsConfig",
     "ModelConfig",
+    "RayConfig",
+    "RoleResources",
     "RolloutConfig",
     "RunConfig",
     "RunSection",
+    "SecurityConfig",
     "TaskConfig",
     "TinyModelInit",
     "WeightSyncConfig",

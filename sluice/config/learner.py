@@ -1,36 +1,89 @@
-"""The learner: optimisation, loss and the staleness bound."""
+"""The learner: optimisation, losses, learner groups (ranks, backend) and the staleness bound."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sluice.config.base import Section
 
 
 class LossConfig(Section):
-    type: Literal["grpo"] = "grpo"
-    """grpo: group-normalised advantages, token-level policy gradient, truncated IS."""
+    type: Literal["grpo", "ppo", "decoupled_ppo", "vtrace"] = "grpo"
+    """grpo: group-normalised advantages, token-level policy gradient, truncated IS.
+    ppo: clipped surrogate against the behaviour policy. decoupled_ppo: clipped surrogate
+    against the proximal policy, behaviour correction by truncated IS weights (AReaL).
+    vtrace: IMPALA actor-critic (classic RL only)."""
     is_cap: float = Field(2.0, gt=0)
-    """Truncated importance sampling: token weights pi_theta / mu are capped at this value."""
+    """Truncated importance sampling: behaviour weights pi / mu are capped at this value."""
     adv_eps: float = Field(1e-4, gt=0)
-    """Added to the group reward std before dividing."""
+    """Added to the group reward std before dividing (group advantages)."""
     normalize_std: bool = True
     """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style advantages."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """PPO ratio clip below: 1 - clip_low."""
+    clip_high: float = Field(0.2, ge=0)
+    """PPO ratio clip above: 1 + clip_high. DAPO's clip-higher sets it above clip_low (0.28)."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """token: mean over all tokens/steps of the batch (DAPO's token-level loss); sequence:
+    mean over sequences of each sequence's token mean (the original GRPO)."""
+    recompute_proximal: bool = True
+    """decoupled_ppo: compute the proximal policy's log-probs with the learner's weights before
+    the batch's updates. False: the proximal policy is the behaviour policy (weights are 1)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount (GAE and V-trace)."""
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    """GAE lambda (ppo / decoupled_ppo with value-based advantages)."""
+    value_coef: float = Field(0.5, ge=0)
+    """Weight of the value loss (classic RL: ppo, decoupled_ppo, vtrace)."""
+    value_clip: float | None = Field(None, gt=0)
+    """PPO value clipping around the proximal values; None: no clipping."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus."""
+    normalize_advantages: bool = False
+    """Whiten advantages over the whole learner batch (all ranks) before the updates."""
+    vtrace_rho_bar: float = Field(1.0, gt=0)
+    """V-trace: cap of the importance weights in the value targets and the policy gradient."""
+    vtrace_c_bar: float = Field(1.0, gt=0)
+    """V-trace: cap of the trace-cutting coefficients c."""
+    vtrace_lambda: float = Field(1.0, ge=0, le=1)
+    """V-trace: lambda multiplying the trace coefficients."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference model (the initial weights); 0: off (LLM only)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator per token: k1 = log pi - log ref; k3 = ref/pi - log(ref/pi) - 1 (>= 0)."""
+
+
+class GroupPorts(Section):
+    """Where one policy's learner group listens."""
+
+    control: int = Field(0, ge=0, le=65535)
+    """Control server port (admission, heartbeats) of this policy's rank 0."""
+    weight_sync: int = Field(0, ge=0, le=65535)
+    """Weight-sync TCPStore port of this policy's rank 0."""
+    dist: int = Field(0, ge=0, le=65535)
+    """torch.distributed rendezvous port of this policy's learner group."""
 
 
 class LearnerConfig(Section):
     total_steps: int = Field(300, ge=1)
-    """Optimizer steps (= policy versions published) before the run ends."""
+    """Learner steps (= policy versions published) before the run ends. A step consumes one
+    batch and makes `epochs * minibatches` optimizer updates."""
     batch_size: int = Field(128, ge=1)
-    """Trajectories per optimizer step (whole groups: a multiple of rollout.group_size)."""
+    """Trajectories per learner step (whole groups: a multiple of rollout.group_size)."""
     lr: float = Field(5e-4, gt=0)
-    """AdamW learning rate."""
+    """AdamW learning rate (peak, after warmup)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay of the learning rate over total_steps * epochs * minibatches updates."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer updates of linear warmup."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW betas."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
     grad_clip: float = Field(1.0, gt=0)
     """Global gradient-norm clip."""
     max_staleness: int = Field(2, ge=0)
@@ -38,14 +91,66 @@ class LearnerConfig(Section):
     consumed. 0 is synchronous on-policy training; larger values let generation and training
     overlap more at the price of more off-policy correction."""
     loss: LossConfig = LossConfig()
-    """The policy loss."""
+    """The loss."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each batch (PPO epochs)."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer updates per pass; each rank splits its share into this many minibatches."""
+    micro_batches: int = Field(1, ge=1)
+    """Gradient accumulation: each minibatch is split into this many micro-batches (the same
+    number on every rank), gradients summed, one optimizer update."""
+    ranks: int = Field(1, ge=1)
+    """Processes of each learner group (torch.distributed world size). The launcher starts them
+    with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as torchrun does."""
+    backend: Literal["ddp", "deepspeed"] = "ddp"
+    """ddp: torch DistributedDataParallel; deepspeed: DeepSpeed ZeRO (stage `zero_stage`)."""
+    zero_stage: int = Field(2, ge=0, le=3)
+    """DeepSpeed ZeRO stage: 1 partitions optimizer state, 2 also gradients, 3 also parameters."""
+    dist_backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
+    """Collective backend of the learner group: auto = nccl on CUDA, hccl on Ascend, gloo on CPU."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous host of the learner group (rank 0)."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """Rendezvous port of the learner group. 0: the local launcher picks a free port."""
+    dist_timeout_s: float = Field(600.0, gt=0)
+    """Collective timeout inside the learner group."""
+    prefetch: bool = True
+    """Rank 0 leases and prepares the next batch in a thread while the current step trains."""
     get_wait_ms: int = Field(200, ge=0)
     """How long one GET waits at the shard for data before returning empty."""
     checkpoint_every: int = Field(0, ge=0)
-    """Save a checkpoint every k steps (0: only the final one)."""
+    """Save a checkpoint every k steps (0: only the final one). Leases of trained batches are
+    ACKed once a checkpoint holding their effect is on disk (see learner/leases.py)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept on disk (older ones are deleted)."""
+    resume: str | None = None
+    """Resume from a checkpoint: a path to a step_<v> directory, or 'auto' for
+    <run dir>/checkpoints/latest when it exists (fresh start otherwise)."""
+    target_return: float | None = None
+    """Classic RL: stop when the mean return of the last `return_window` episodes reaches this."""
+    return_window: int = Field(100, ge=1)
+    """Episodes in the moving average of returns."""
+    audit_consumed: bool = False
+    """Append the traj_ids trained at every step to metrics/consumed-<policy>.jsonl (an audit
+    trail for exactly-once consumption)."""
     log_every: int = Field(1, ge=1)
     """Write a metrics line every k steps."""
     torch_threads: int = Field(1, ge=1)
-    """intra-op threads of the learner process."""
+    """intra-op threads of each learner process."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     """Where the learner trains: auto picks cuda, then npu, then cpu."""
+    policies: list[str] = Field(["default"], min_length=1)
+    """One learner group per policy id: its own buffer stream (GET policy_id), version counter,
+    control server and weight channel. Rollout service i serves policies[i % len(policies)]."""
+    group_ports: dict[str, GroupPorts] = {}
+    """Ports of the groups of policies after the first (the first uses control.port,
+    weight_sync.master_port and learner.master_port). The local launcher fills them."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        if len(set(self.policies)) != len(self.policies):
+            raise ValueError(f"policies={self.policies}: policy ids must be unique")
+        unknown = set(self.group_ports) - set(self.policies)
+        if unknown:
+            raise ValueError(f"group_ports: {sorted(unknown)} are not in policies")
+        return self

@@ -49,7 +49,26 @@ class TinyModelInit(Section):
         return list(VOCABULARIES[self.vocab]) if isinstance(self.vocab, str) else list(self.vocab)
 
 
+class MLPModelInit(Section):
+    """A small MLP policy with a value head, for classic RL (sluice/modeling/mlp.py). Its input
+    and output sizes come from the environment's spaces."""
+
+    hidden_sizes: list[int] = Field([64, 64], min_length=1)
+    """Widths of the shared torso layers."""
+    activation: Literal["tanh", "relu"] = "tanh"
+    """Nonlinearity between layers."""
+    shared_torso: bool = False
+    """True: policy and value heads on one torso. False: separate actor and critic torsos, so
+    the value loss (returns of ~100) cannot swamp the policy's features; the classic choice."""
+    seed: int = 0
+    """Seed of the random initialisation (orthogonal, as in PPO reference implementations)."""
+
+
 class ModelConfig(Section):
+    kind: Literal["llm", "mlp"] = "llm"
+    """llm: a causal language model (`path` or `init`); mlp: an MLP policy built from `mlp`."""
+    mlp: MLPModelInit = MLPModelInit()
+    """How to build the MLP policy when kind is mlp."""
     path: str | None = None
     """A Hugging Face model directory (config, safetensors, tokenizer). None: build `init` into
     `<run dir>/model` at start."""

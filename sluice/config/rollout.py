@@ -56,6 +56,9 @@ class SimEngineConfig(Section):
 
 
 class RolloutConfig(Section):
+    kind: Literal["llm", "env"] = "llm"
+    """llm: language-model generation for `task` (rollout_svc/service.py); env: gymnasium
+    environments with an MLP policy (`env`, rollout_svc/env_service.py)."""
     services: int = Field(2, ge=0)
     """Rollout service processes started by the local launcher."""
     engine: Literal["hf", "vllm", "sim", "auto"] = "hf"

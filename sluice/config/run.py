@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sluice.config.base import Section
 from sluice.config.buffer import BufferConfig
 from sluice.config.control import ControlConfig
+from sluice.config.env import EnvConfig
 from sluice.config.learner import LearnerConfig
 from sluice.config.model import ModelConfig
+from sluice.config.ray import RayConfig
 from sluice.config.rollout import RolloutConfig, TaskConfig
+from sluice.config.security import SecurityConfig
 from sluice.config.weight_sync import WeightSyncConfig
 
 
@@ -43,12 +46,39 @@ class RunConfig(Section):
     run: RunSection = RunSection()
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
+    env: EnvConfig = EnvConfig()
     buffer: BufferConfig = BufferConfig()
     rollout: RolloutConfig = RolloutConfig()
     learner: LearnerConfig = LearnerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
+    security: SecurityConfig = SecurityConfig()
+    ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _check_kinds(self) -> RunConfig:
+        want = {"llm": "llm", "env": "mlp"}[self.rollout.kind]
+        if self.model.kind != want:
+            raise ValueError(
+                f"rollout.kind={self.rollout.kind} needs model.kind={want} (got {self.model.kind})"
+            )
+        classic = self.learner.loss.type == "vtrace"
+        if classic and self.rollout.kind != "env":
+            raise ValueError("learner.loss.type=vtrace is for classic RL: it needs rollout.kind=env")
+        held = (self.learner.checkpoint_every + 1) * self.learner.batch_size * len(self.learner.policies)
+        if self.learner.checkpoint_every and held > self.buffer.capacity * self.buffer.shards:
+            raise ValueError(
+                f"learner.checkpoint_every={self.learner.checkpoint_every}: trained leases are held until "
+                f"the next checkpoint (up to {held} trajectories with the prefetched batch), more than the "
+                f"buffer holds (buffer.capacity x shards = {self.buffer.capacity * self.buffer.shards})"
+            )
+        if self.rollout.kind == "llm" and len(self.learner.policies) > 1:
+            raise ValueError(
+                "learner.policies: several policies need rollout.kind=env (the LLM rollout loop "
+                "serves one policy)"
+            )
+        return self
 
     @property
     def run_dir(self) -> Path:

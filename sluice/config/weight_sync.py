@@ -9,6 +9,24 @@ from pydantic import Field
 from sluice.config.base import Section
 
 
+class WeightTransferConfig(Section):
+    """The ZeroMQ chunked transfer: how a late joiner (or a service that fell out of the group)
+    pulls the current version before it joins the broadcast group."""
+
+    port: int = Field(0, ge=0, le=65535)
+    """Port the learner serves snapshots on (host: weight_sync.master_addr). 0: a free port,
+    advertised to receivers through the rendezvous store."""
+    chunk_mb: float = Field(4.0, gt=0, le=512)
+    """Bytes per chunk request (small tensors are coalesced into one chunk)."""
+    window: int = Field(8, ge=1, le=256)
+    """Chunk requests a receiver keeps in flight (credit-based flow control)."""
+    lease_s: float = Field(60.0, gt=0)
+    """A snapshot being pulled is kept this long after the puller's last request, even when
+    newer versions are published meanwhile."""
+    timeout_s: float = Field(30.0, gt=0)
+    """A chunk not answered within this fails the pull (the receiver retries from scratch)."""
+
+
 class WeightSyncConfig(Section):
     backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
     """torch.distributed backend of the broadcast group: auto = nccl on CUDA, hccl on Ascend,
@@ -17,9 +35,33 @@ class WeightSyncConfig(Section):
     """Publish weights after every k optimizer steps."""
     bucket_mb: float = Field(64.0, gt=0)
     """Parameters are flattened by dtype into buckets of about this many MiB."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """dtype on the wire and in the engine: floating-point weights are cast while packed (e.g.
+    float32 master weights to bfloat16). auto: the model's dtype (model.dtype)."""
+    pipeline_depth: int = Field(2, ge=1, le=64)
+    """Buckets in flight at once: bucket i+1 is gathered and packed while bucket i is on the
+    wire. Each in-flight bucket costs one bucket of memory on the source's device."""
+    delta: bool = False
+    """Send only tensors whose bytes changed since the previous version (frozen layers, LoRA,
+    bf16 weights an update did not move). Receivers keep the rest; a receiver that does not
+    hold the base version refuses the delta and pulls the whole version instead."""
     master_addr: str = "127.0.0.1"
     """Host of the rendezvous store (served by learner rank 0)."""
     master_port: int = Field(0, ge=0, le=65535)
     """Port of the rendezvous store. 0: the local launcher picks a free port."""
     timeout_s: float = Field(300.0, gt=0)
-    """Collective timeout: a receiver that does not take part within this is an error."""
+    """Rendezvous timeout: how long a receiver keeps trying to reach the learner's store and
+    control server before it fails."""
+    publish_timeout_s: float = Field(60.0, gt=0)
+    """Collective timeout of the broadcast group: a member that does not take part in a
+    bucket within this is dropped and the group is rebuilt without it (the learner never
+    waits longer for a crashed or hung receiver)."""
+    liveness_timeout_s: float = Field(5.0, gt=0)
+    """A member that stops its heartbeat (bumped while it waits in a collective) for this long
+    during a publish is taken for crashed or hung: the epoch is abandoned at once instead of
+    after publish_timeout_s."""
+    ready_timeout_s: float = Field(10.0, gt=0)
+    """When the group is rebuilt (a membership epoch), members that do not confirm within
+    this are left out (they join again later)."""
+    transfer: WeightTransferConfig = WeightTransferConfig()
+    """ZeroMQ chunked transfer of the current version to late joiners."""

@@ -1,2 +1,2 @@
 """The control plane: small messages between rollout services and the learner (admission,
-heartbeats, status). Never on the data path."""
+heartbeats, status, weight-sync membership). Never on the data path."""

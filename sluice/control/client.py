@@ -9,9 +9,15 @@ from sluice.control.messages import (
     AdmitRequest,
     HeartbeatReply,
     HeartbeatRequest,
+    JoinReply,
+    JoinRequest,
+    LeaveReply,
+    LeaveRequest,
     RefundRequest,
     StatusReply,
     StatusRequest,
+    SyncOutcome,
+    SyncReportRequest,
     reply_decoder,
 )
 from sluice.rpc import RpcConnection
@@ -52,6 +58,46 @@ class ControlClient:
         return self.conn.request(
             StatusRequest(proto=PROTO_VERSION, id=self.conn.next_id()), timeout_s=self.timeout_s
         )[0]
+
+    # -- weight-sync membership ------------------------------------------------------------------
+
+    def join(self, service_id: str, incarnation: str, held_version: int) -> JoinReply:
+        req = JoinRequest(
+            proto=PROTO_VERSION,
+            id=self.conn.next_id(),
+            service_id=service_id,
+            incarnation=incarnation,
+            held_version=held_version,
+        )
+        return self.conn.request(req, timeout_s=self.timeout_s)[0]
+
+    def leave(self, service_id: str, incarnation: str) -> LeaveReply:
+        req = LeaveRequest(
+            proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, incarnation=incarnation
+        )
+        return self.conn.request(req, timeout_s=self.timeout_s)[0]
+
+    def sync_report(
+        self,
+        service_id: str,
+        incarnation: str,
+        *,
+        epoch: int,
+        version: int,
+        outcome: SyncOutcome,
+        error: str = "",
+    ) -> None:
+        req = SyncReportRequest(
+            proto=PROTO_VERSION,
+            id=self.conn.next_id(),
+            service_id=service_id,
+            incarnation=incarnation,
+            epoch=epoch,
+            version=version,
+            outcome=outcome,
+            error=error,
+        )
+        self.conn.request(req, timeout_s=self.timeout_s)
 
     def close(self) -> None:
         self.conn.close()

@@ -5,9 +5,13 @@ Served by learner rank 0 on `control.endpoint`; rollout services and `sluice sta
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from sluice.wire.messages import ErrorReply
+
+SyncOutcome = Literal["ok", "refused", "failed"]
 
 
 class _Request(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
@@ -45,7 +49,46 @@ class StatusRequest(_Request, tag="STATUS"):
     pass
 
 
-ControlRequest = AdmitRequest | RefundRequest | HeartbeatRequest | StatusRequest
+# -- weight-sync membership (served when the learner attached its membership registry) ---------
+
+
+class JoinRequest(_Request, tag="JOIN"):
+    """A rollout service's weight receiver asks to be in the broadcast group. It is included at
+    the learner's next membership epoch (the next publish)."""
+
+    service_id: str  # W: receiver (rollout-0, ...). R: learner; a member is known by it
+    incarnation: str  # W: receiver, unique per process. R: learner; a new one replaces the old
+    held_version: int = -1  # W: receiver, version it holds (pulled or kept). -1: none
+
+
+class LeaveRequest(_Request, tag="LEAVE"):
+    """A receiver that stops leaves the group; the group is rebuilt without it."""
+
+    service_id: str
+    incarnation: str  # W: receiver. R: learner; a stale incarnation's LEAVE removes nothing
+
+
+class SyncReportRequest(_Request, tag="SYNC_REPORT"):
+    """What a receiver did with one version: the learner counts refusals and failures and
+    rebuilds the group when a member's collective failed."""
+
+    service_id: str
+    incarnation: str
+    epoch: int  # W: receiver, the epoch the version came over (0 for a ZeroMQ pull)
+    version: int  # W: receiver, the version it concerns
+    outcome: SyncOutcome  # W: receiver. ok | refused (checksum, layout, delta base) | failed (collective)
+    error: str = ""  # W: receiver, why (empty when ok)
+
+
+ControlRequest = (
+    AdmitRequest
+    | RefundRequest
+    | HeartbeatRequest
+    | StatusRequest
+    | JoinRequest
+    | LeaveRequest
+    | SyncReportRequest
+)
 
 
 class _Reply(msgspec.Struct, tag_field="op", forbid_unknown_fields=True):
@@ -76,13 +119,52 @@ class ServiceStatus(msgspec.Struct):
     stats: dict[str, float]
 
 
+class MemberSyncStatus(msgspec.Struct):
+    state: str  # pending (waits for an epoch) | member (in the current group)
+    version: int  # last version it reported verified (-1: none yet)
+    refused: int  # versions it refused (checksum, layout or delta base mismatch)
+    failed: int  # collectives that failed on its side
+    last_error: str
+
+
+class WeightSyncStatus(msgspec.Struct):
+    epoch: int  # current membership epoch (0: no group formed yet)
+    published_version: int  # newest version published (-1: none)
+    members: dict[str, MemberSyncStatus] = {}  # by service id
+    counters: dict[str, float] = {}  # publishes, epochs, failures, refused, pulls, ...
+
+
 class StatusReply(_Reply, tag="STATUS"):
     learner: dict[str, float] = {}
     services: dict[str, ServiceStatus] = {}
     admission: dict[str, float] = {}
+    weight_sync: WeightSyncStatus | None = None  # None when the learner serves no membership
 
 
-ControlReply = AdmitReply | RefundReply | HeartbeatReply | StatusReply | ErrorReply
+class JoinReply(_Reply, tag="JOIN"):
+    seq: int = 0  # first store announcement (ws/ann/<seq>) the receiver must read
+    epoch: int = 0  # current membership epoch
+    published_version: int = -1  # newest version published (-1: none yet)
+
+
+class LeaveReply(_Reply, tag="LEAVE"):
+    removed: bool = False  # False: not a member (or a stale incarnation)
+
+
+class SyncReportReply(_Reply, tag="SYNC_REPORT"):
+    pass
+
+
+ControlReply = (
+    AdmitReply
+    | RefundReply
+    | HeartbeatReply
+    | StatusReply
+    | JoinReply
+    | LeaveReply
+    | SyncReportReply
+    | ErrorReply
+)
 
 request_decoder = msgspec.msgpack.Decoder(ControlRequest)
 reply_decoder = msgspec.msgpack.Decoder(ControlReply)

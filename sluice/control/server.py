@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Protocol
 
 import zmq
 
@@ -27,11 +28,15 @@ from sluice.control.messages import (
     AdmitRequest,
     HeartbeatReply,
     HeartbeatRequest,
+    JoinRequest,
+    LeaveRequest,
     RefundReply,
     RefundRequest,
     ServiceStatus,
     StatusReply,
     StatusRequest,
+    SyncReportRequest,
+    WeightSyncStatus,
     request_decoder,
 )
 from sluice.net import zmq_socket
@@ -40,6 +45,20 @@ from sluice.wire import codec
 from sluice.wire.messages import PROTO_VERSION
 
 log = logging.getLogger(__name__)
+
+MEMBERSHIP_REQUESTS = (JoinRequest, LeaveRequest, SyncReportRequest)
+
+
+class MembershipRegistry(Protocol):
+    """Weight-sync membership, owned by the learner's broadcaster (weight_sync.membership).
+    Called from the server thread; the registry does its own locking."""
+
+    def handle(self, req: JoinRequest | LeaveRequest | SyncReportRequest):
+        """The reply to a membership request (JoinReply, LeaveReply or SyncReportReply with
+        the request's id). ValueError: a bad field (the client gets BAD_HEADER)."""
+
+    def status(self) -> WeightSyncStatus:
+        """Epoch, members and counters for STATUS."""
 
 
 class ControlServer:
@@ -63,6 +82,7 @@ class ControlServer:
         self._published = 0
         self._learner: dict[str, float] = {}
         self._services: dict[str, tuple[str, float, dict[str, float]]] = {}
+        self._membership: MembershipRegistry | None = None
         self._ctx = ctx or zmq.Context.instance()
         self.sock = zmq_socket(self._ctx, zmq.ROUTER)
         self.sock.bind(bind)
@@ -89,6 +109,12 @@ class ControlServer:
         if n:
             with self._lock:
                 self.admission.release(n)
+
+    def attach_membership(self, registry: MembershipRegistry) -> None:
+        """Serve JOIN / LEAVE / SYNC_REPORT with the learner's weight-sync membership (the
+        registry does its own locking; STATUS then reports it too)."""
+        with self._lock:
+            self._membership = registry
 
     def update_learner(self, stats: dict[str, float]) -> None:
         with self._lock:
@@ -194,5 +220,15 @@ class ControlServer:
                     "released_gone": float(adm.released_gone),
                     "services_gone": float(self.services_gone),
                 },
+                weight_sync=None if self._membership is None else self._membership.status(),
             )
+        if isinstance(req, MEMBERSHIP_REQUESTS):
+            return self._membership_op(req)
         raise codec.ProtocolError("BAD_HEADER", f"unhandled op {type(req).__name__}")
+
+    def _membership_op(self, req):
+        if self._membership is None:
+            raise codec.ProtocolError(
+                "BAD_HEADER", f"{type(req).__name__}: this control server serves no weight-sync membership"
+            )
+        return self._membership.handle(req)

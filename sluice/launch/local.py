@@ -23,12 +23,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sluice.config.loader import dump_config
+from sluice.config.learner import GroupPorts
+from sluice.config.loader import ENV_PREFIX, dump_config
+from sluice.config.policy import learner_role
 from sluice.config.run import RunConfig
 from sluice.launch.role import EXIT_FAILED, EXIT_OK
 from sluice.metrics import JsonlLog
-from sluice.modeling import materialize_model_dir
+from sluice.modeling.policy import materialize_policy_dir
 from sluice.net import free_port
+from sluice.plots import write_run_plots
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     exits_with_run: bool  # True: exits 0 on its own when the learner is done (rollouts)
+    is_learner: bool = False  # a rank of a learner group: the run ends when all of them exit
 
 
 @dataclass
@@ -63,13 +67,18 @@ class Tail:
         return records
 
 
-def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill in the run directory and free ports; the result is what every child reads."""
-    cfg = cfg.model_copy(deep=True)
+def resolve_run_dir(cfg: RunConfig) -> None:
+    """run.dir, or runs/<name>-<time>, as an absolute path."""
     if cfg.run.dir is None:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         cfg.run.dir = str(Path("runs") / f"{cfg.run.name}-{stamp}")
     cfg.run.dir = str(Path(cfg.run.dir).resolve())
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Fill in the run directory and free ports; the result is what every child reads."""
+    cfg = cfg.model_copy(deep=True)
+    resolve_run_dir(cfg)
     b = cfg.buffer
     if not b.endpoints and b.base_port == 0:
         b.endpoints = [f"tcp://{b.host}:{free_port(b.host)}" for _ in range(b.shards)]
@@ -77,6 +86,16 @@ def resolve(cfg: RunConfig) -> RunConfig:
         cfg.control.port = free_port(cfg.control.host)
     if cfg.weight_sync.master_port == 0:
         cfg.weight_sync.master_port = free_port(cfg.weight_sync.master_addr)
+    lc = cfg.learner
+    if lc.master_port == 0:
+        lc.master_port = free_port(lc.master_addr)
+    for policy in lc.policies[1:]:  # each further learner group gets its own ports
+        ports = lc.group_ports.get(policy, GroupPorts())
+        lc.group_ports[policy] = GroupPorts(
+            control=ports.control or free_port(cfg.control.host),
+            weight_sync=ports.weight_sync or free_port(cfg.weight_sync.master_addr),
+            dist=ports.dist or free_port(lc.master_addr),
+        )
     return cfg
 
 
@@ -92,14 +111,24 @@ class LocalLauncher:
     def prepare(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        materialize_model_dir(self.cfg.model, self.run_dir)
+        materialize_policy_dir(self.cfg)
         config_path = self.run_dir / "config.yaml"
         dump_config(self.cfg, config_path)
         return config_path
 
-    def _spawn(self, name: str, args: list[str], config_path: Path, exits_with_run: bool) -> None:
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        config_path: Path,
+        exits_with_run: bool,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         log_path = self.run_dir / "logs" / f"{name}.log"
-        env = {**os.environ, "SLUICE_DIE_WITH_PARENT": "1", "PYTHONUNBUFFERED": "1"}
+        # SLUICE__* overrides are already in the resolved config; applied again they could
+        # undo what the launcher resolved (e.g. a port of 0).
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
+        env.update(SLUICE_DIE_WITH_PARENT="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
         env.setdefault("OMP_NUM_THREADS", "1")
         with log_path.open("ab") as log_fh:
             proc = subprocess.Popen(
@@ -110,15 +139,34 @@ class LocalLauncher:
                 env=env,
                 start_new_session=True,
             )
-        self.children.append(Child(name, proc, log_path, exits_with_run))
+        self.children.append(Child(name, proc, log_path, exits_with_run, is_learner=args[0] == "learner"))
 
     def start(self) -> None:
         config_path = self.prepare()
         for k in range(self.cfg.buffer.shards):
             self._spawn(f"buffer-{k}", ["buffer", "--shard", str(k)], config_path, False)
-        self._spawn("learner", ["learner"], config_path, True)
+        for policy in self.cfg.learner.policies:
+            self._spawn_learner_group(policy, config_path)
         for i in range(self.cfg.rollout.services):
             self._spawn(f"rollout-{i}", ["rollout", "--index", str(i)], config_path, True)
+
+    def _spawn_learner_group(self, policy: str, config_path: Path) -> None:
+        """K ranks with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
+        lc = self.cfg.learner
+        port = lc.master_port if policy == lc.policies[0] else lc.group_ports[policy].dist
+        for rank in range(lc.ranks):
+            env = {}
+            if lc.ranks > 1:
+                env = {
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(rank),
+                    "WORLD_SIZE": str(lc.ranks),
+                    "LOCAL_WORLD_SIZE": str(lc.ranks),
+                    "MASTER_ADDR": lc.master_addr,
+                    "MASTER_PORT": str(port),
+                }
+            name = learner_role(self.cfg, policy, rank)
+            self._spawn(name, ["learner", "--policy", policy], config_path, True, env)
 
     # -- supervision ---------------------------------------------------------------------------
 
@@ -151,14 +199,17 @@ class LocalLauncher:
                     progress.update(
                         task, completed=tail.last.get("version", 0), info=_progress_info(tail.last)
                     )
-                learner = self._child("learner")
-                rc = learner.proc.poll()
-                if rc is not None:
-                    code = EXIT_OK if rc == 0 else EXIT_FAILED
-                    if rc != 0:
-                        self._report_death(learner, rc)
+                learners = [c for c in self.children if c.is_learner]
+                failed = [c for c in learners if c.proc.poll() not in (None, 0)]
+                if failed:
+                    for c in failed:
+                        self._report_death(c, c.proc.returncode)
+                    code = EXIT_FAILED
                     break
-                dead = [c for c in self.children if c.proc.poll() is not None and c.name != "learner"]
+                if all(c.proc.poll() == 0 for c in learners):
+                    code = EXIT_OK
+                    break
+                dead = [c for c in self.children if c.proc.poll() is not None and not c.is_learner]
                 unexpected = [c for c in dead if not (c.exits_with_run and c.proc.returncode == 0)]
                 if unexpected:
                     for c in unexpected:
@@ -185,7 +236,7 @@ class LocalLauncher:
         SIGTERM, wait up to `grace_s`, then SIGKILL the process group."""
         order = (
             [c for c in self.children if c.name.startswith("rollout")]
-            + [c for c in self.children if c.name == "learner"]
+            + [c for c in self.children if c.is_learner]
             + [c for c in self.children if c.name.startswith("buffer")]
         )
         for c in order:
@@ -208,6 +259,9 @@ class LocalLauncher:
         finally:
             self.shutdown()
         learner = self._child("learner")
+        plots = write_run_plots(self.run_dir)
+        if plots:
+            self.console.print(f"plots: {', '.join(p.name for p in plots)} in {plots[0].parent}")
         self.console.print(f"run directory: {self.run_dir} (learner exit {learner.proc.returncode})")
         return code
 
@@ -220,8 +274,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _progress_info(r: dict) -> str:
+    episodic = f"return {r['episode_return_mean']:.1f}  " if "episode_return_mean" in r else ""
     return (
-        f"reward {r.get('reward_mean', float('nan')):.3f}  "
+        episodic + f"reward {r.get('reward_mean', float('nan')):.3f}  "
         f"{r.get('samples_per_s', 0.0):.0f} samples/s  "
         f"staleness {r.get('staleness_mean', 0.0):.2f} (max {r.get('staleness_max', 0):.0f})  "
         f"dropped {r.get('total_dropped_stale', 0)}  wait {100 * r.get('wait_frac', 0.0):.0f}%"

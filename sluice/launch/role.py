@@ -1,9 +1,11 @@
 """What every role process does before its main loop: logging, signals, parent-death signal.
 
-Exit codes of role processes (and of `sluice run`):
-    0  finished, or stopped on request (SIGTERM/SIGINT)
-    1  failed at run time (see the log)
-    2  bad config or usage (the message names the key)
+Exit codes of role processes (and of `sluice run` / `sluice ray`), for supervisors (systemd
+`RestartPreventExitStatus=2`, Kubernetes restart policies, Slurm job states):
+    0    finished, or stopped on request (SIGTERM/SIGINT): do not restart
+    1    failed at run time (see the log): restarting may help
+    2    bad config or usage (the message names the key): restarting will not help
+    130  `sluice run` / `sluice ray` interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
 
@@ -59,6 +61,31 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# Where a role's index comes from when --shard/--index is not given, in this order: our own
+# variable, then the task index a scheduler gives each copy of one command (srun's task rank,
+# a Kubernetes indexed Job's completion index).
+INDEX_VARIABLES = ("SLUICE_INDEX", "SLURM_PROCID", "JOB_COMPLETION_INDEX")
+
+
+def resolve_index(explicit: int | None, env: Mapping[str, str]) -> int:
+    """The shard or service index of this process: the option, else the first of
+    INDEX_VARIABLES that is set, else 0."""
+    from sluice.config.loader import ConfigError
+
+    if explicit is not None:
+        if explicit < 0:
+            raise ConfigError(f"index {explicit}: must be >= 0")
+        return explicit
+    for name in INDEX_VARIABLES:
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        if not raw.strip().isdigit():
+            raise ConfigError(f"{name}={raw!r}: expected a non-negative integer (the role's index)")
+        return int(raw)
+    return 0
 
 
 def run_role(role: str, main: Callable[[threading.Event], int]) -> int:

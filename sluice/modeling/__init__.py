@@ -1,6 +1,22 @@
-"""The policy model every role loads: built locally, saved as a Hugging Face directory."""
+"""The policy model every role loads: built locally, saved as a Hugging Face directory.
 
-from sluice.modeling.tiny import build_tiny_model, load_policy, materialize_model_dir
-from sluice.modeling.tokenizer import build_tokenizer
+Names are imported on first use (PEP 562), so `import sluice.modeling.mlp` or
+`sluice.modeling.policy` does not pay for importing transformers.
+"""
 
-__all__ = ["build_tiny_model", "build_tokenizer", "load_policy", "materialize_model_dir"]
+from importlib import import_module
+
+_EXPORTS = {
+    "build_tiny_model": "sluice.modeling.tiny",
+    "load_policy": "sluice.modeling.tiny",
+    "materialize_model_dir": "sluice.modeling.tiny",
+    "build_tokenizer": "sluice.modeling.tokenizer",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'sluice.modeling' has no attribute {name!r}")

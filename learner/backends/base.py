@@ -1,0 +1,62 @@
+"""The training backend of a learner group: how gradients are reduced and parameters updated.
+
+One small interface, two implementations chosen by `learner.backend`:
+- ddp (learner/backends/ddp.py): torch DistributedDataParallel, replicated optimizer.
+- deepspeed (learner/backends/deepspeed.py): DeepSpeed ZeRO stage 1/2/3.
+Both take the loss of one micro-batch as its share of the mean over the *whole* learner batch
+(all ranks, all micro-batches; see learner/losses/aggregate.py), so summing gradients over
+micro-batches and averaging over ranks reproduces the single-process update exactly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import torch
+
+from learner.dist import DistContext
+from sluice.config.learner import LearnerConfig
+
+
+class TrainBackend(ABC):
+    model: torch.nn.Module  # the bare model: parameter names as in the Hugging Face checkpoint
+    module: torch.nn.Module  # what to call for forward passes (the wrapped model)
+
+    @abstractmethod
+    def accumulate(self, sync: bool) -> AbstractContextManager:
+        """Context of one micro-batch's forward and backward; `sync` on the last one of an update."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def step(self) -> float:
+        """Clip, update, advance the lr schedule, clear gradients. Returns the gradient norm."""
+
+    @abstractmethod
+    def lr(self) -> float: ...
+
+    @abstractmethod
+    def full_params(self) -> AbstractContextManager:
+        """Inside: every parameter of `model` is whole on every rank (ZeRO-3 gathers)."""
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Optimizer and scheduler state (collective: every rank calls it)."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> None: ...
+
+
+def build_backend(
+    lc: LearnerConfig, model: torch.nn.Module, dist: DistContext, total_updates: int, dtype: str
+) -> TrainBackend:
+    if lc.backend == "deepspeed":
+        from learner.backends.deepspeed import DeepSpeedBackend
+
+        return DeepSpeedBackend(lc, model, dist, total_updates, dtype)
+    from learner.backends.ddp import DDPBackend
+
+    return DDPBackend(lc, model, dist, total_updates)

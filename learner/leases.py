@@ -1,0 +1,101 @@
+"""Exactly-once consumption across learner crashes: which leases are trained but not ACKed.
+
+The rule: a lease is ACKed only once a checkpoint that contains the effect of training on it
+is on disk (with checkpoints off, right after the step). So:
+- crash before that checkpoint: the leases are not ACKed, they expire at the shard and are
+  redelivered; the learner resumes from a state that never saw them and trains on them once.
+- crash after the checkpoint, before or during the ACKs: the checkpoint lists those leases
+  (`pending`); on resume they are ACKed. If a lease is gone by then (expired and requeued, or
+  the shard restarted), every trajectory id of it goes to `skip_ids`: when it comes back it is
+  ACKed with its lease but never trained on again.
+So no leased sample is lost and none is trained twice by the surviving lineage. The same skip
+applies while running when an ACK finds its lease expired (a step slower than the lease).
+Leases that were only prefetched (not trained) at a crash simply expire and are redelivered.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from buffer.client import BufferClient, BufferError, LeasedBatch
+from sluice.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepLeases:
+    """What one learner step consumed."""
+
+    leases: list[tuple[int, str]]  # (shard, lease_id)
+    traj_ids: list[str]  # every trajectory in those leases (trained, skipped or too stale)
+    skipped: list[str]  # ids in the leases that were in skip_ids (not trained)
+    leased_at: float  # monotonic time of the first GET
+
+
+@dataclass
+class LeaseLedger:
+    pending: list[StepLeases] = field(default_factory=list)
+    skip_ids: set[str] = field(default_factory=set)
+
+    def filter(self, trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], list[str]]:
+        """(trajectories to train on, ids skipped because they were trained already)."""
+        keep = [t for t in trajs if t.traj_id not in self.skip_ids]
+        return keep, [t.traj_id for t in trajs if t.traj_id in self.skip_ids]
+
+    def add(self, leased: LeasedBatch, skipped: list[str], leased_at: float) -> None:
+        self.pending.append(
+            StepLeases(list(leased.leases), [t.traj_id for t in leased.trajs], skipped, leased_at)
+        )
+
+    def oldest_age(self, now: float | None = None) -> float:
+        if not self.pending:
+            return 0.0
+        return (now if now is not None else time.monotonic()) - self.pending[0].leased_at
+
+    def settle(self, client: BufferClient) -> tuple[int, list[str]]:
+        """ACK every pending lease. Returns (trajectories ACKed, ids newly added to skip_ids)."""
+        acked, lost = 0, []
+        for step in self.pending:
+            ok = True
+            for lease in step.leases:
+                try:
+                    acked += client.ack(LeasedBatch(leases=[lease]))
+                except BufferError as e:
+                    if e.code != "UNKNOWN_LEASE":
+                        raise
+                    ok = False
+            if ok:
+                self.skip_ids.difference_update(step.skipped)
+            else:
+                log.warning("a trained lease was gone at ACK: its %d ids will be skipped", len(step.traj_ids))
+                new = [i for i in step.traj_ids if i not in self.skip_ids]
+                self.skip_ids.update(step.traj_ids)
+                lost.extend(new)
+        self.pending.clear()
+        return acked, lost
+
+    # -- checkpoint state ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "pending": [
+                {"leases": [list(x) for x in s.leases], "traj_ids": s.traj_ids, "skipped": s.skipped}
+                for s in self.pending
+            ],
+            "skip_ids": sorted(self.skip_ids),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> LeaseLedger:
+        now = time.monotonic()
+        pending = [
+            StepLeases(
+                [(int(k), str(i)) for k, i in s["leases"]], list(s["traj_ids"]), list(s["skipped"]), now
+            )
+            for s in state.get("pending", [])
+        ]
+        return cls(pending=pending, skip_ids=set(state.get("skip_ids", [])))

@@ -1,0 +1,165 @@
+"""Rank 0's batch source: leases the next batch from the buffer while the current step trains.
+
+Rules:
+- `request(version)` asks for the batch the learner will consume at `version`: whole groups
+  until `batch_size` trajectories, each GET with min_version = version - max_staleness (the
+  shard drops older groups). Only one batch is ever in flight: the next one.
+- With `prefetch`, a thread does the GETs with its own BufferClient (clients are not thread
+  safe); without, `take()` does them in the caller's thread. Same code either way.
+- `take()` blocks until the requested batch is complete and returns it, or returns None when
+  the learner is stopping (a partial batch is NACKed, nothing is kept).
+- An error in the thread is re-raised by `take()`: a dead prefetcher stops the learner.
+- A partial batch is never held near its lease timeout: when its first lease is older than
+  half of `lease_timeout_s`, it is NACKed (back to the front of the queue) and the batch starts
+  over with fresh leases. Otherwise a slow trickle of data would let the first leases expire
+  and come back into the same batch (trained twice, ACK refused).
+- `close()` NACKs a batch that was fetched but never taken.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from buffer.client import BufferClient, LeasedBatch
+from sluice.config.learner import LearnerConfig
+
+
+@dataclass
+class FetchedBatch:
+    version: int  # the learner version that consumes it
+    min_version: int
+    leased: LeasedBatch
+    leased_at: float  # monotonic time of the first GET
+    fetch_s: float  # time spent completing it (GETs and long polls)
+
+
+class BatchSource:
+    def __init__(
+        self,
+        endpoints: list[str],
+        policy_id: str,
+        lc: LearnerConfig,
+        stop: threading.Event,
+        lease_timeout_s: float,
+        on_dropped: Callable[[int], None] = lambda n: None,
+        ctx: zmq.Context | None = None,
+    ) -> None:
+        self.endpoints = endpoints
+        self.on_dropped = on_dropped  # told of samples the shards dropped as stale, per GET
+        self.ctx = ctx
+        self.lease_timeout_s = lease_timeout_s
+        self.restarts = 0  # partial batches given back because their leases grew old
+        self.policy_id = policy_id
+        self.lc = lc
+        self.stop = stop
+        self._cond = threading.Condition()
+        self._wanted: int | None = None
+        self._ready: FetchedBatch | None = None
+        self._error: BaseException | None = None
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._client: BufferClient | None = None
+        if lc.prefetch:
+            self._thread = threading.Thread(target=self._run, name="batch-prefetch", daemon=True)
+            self._thread.start()
+        else:
+            self._client = BufferClient(endpoints, ctx=ctx)
+
+    def request(self, version: int) -> None:
+        with self._cond:
+            assert self._wanted is None and self._ready is None, "one batch in flight at a time"
+            self._wanted = version
+            self._cond.notify_all()
+
+    def take(self) -> FetchedBatch | None:
+        if self._thread is None:
+            version, self._wanted = self._wanted, None
+            assert version is not None and self._client is not None, "request() first"
+            return self._fetch(self._client, version)
+        with self._cond:
+            while self._ready is None and self._error is None:
+                if self.stop.is_set():
+                    return None
+                self._cond.wait(timeout=0.1)
+            if self._error is not None:
+                raise RuntimeError("batch prefetch thread failed") from self._error
+            ready, self._ready = self._ready, None
+            return ready
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        if self._client is not None:
+            self._client.close()
+
+    # -- fetching ------------------------------------------------------------------------------
+
+    def _stopping(self) -> bool:
+        return self.stop.is_set() or self._closing
+
+    def _fetch(self, client: BufferClient, version: int) -> FetchedBatch | None:
+        lc = self.lc
+        min_version = version - lc.max_staleness
+        leased = LeasedBatch()
+        t0 = time.perf_counter()
+        leased_at = time.monotonic()
+        while len(leased.trajs) < lc.batch_size:
+            if self._stopping():
+                if leased.leases:
+                    client.nack(leased)
+                return None
+            if leased.leases and time.monotonic() - leased_at > self.lease_timeout_s / 2:
+                client.nack(leased)  # too old to keep waiting on: give back, start over
+                leased = LeasedBatch()
+                self.restarts += 1
+            part = client.get(
+                lc.batch_size - len(leased.trajs),
+                min_version=min_version,
+                policy_id=self.policy_id,
+                wait_ms=lc.get_wait_ms,
+            )
+            if part.dropped_stale:
+                self.on_dropped(part.dropped_stale)
+            held = {t.traj_id for t in leased.trajs}
+            if any(t.traj_id in held for t in part.trajs):
+                raise RuntimeError("a lease of the batch being assembled expired and came back into it")
+            if not leased.leases and part.leases:
+                leased_at = time.monotonic()
+            leased.extend(part)
+        return FetchedBatch(version, min_version, leased, leased_at, time.perf_counter() - t0)
+
+    def _run(self) -> None:
+        client = BufferClient(self.endpoints, ctx=self.ctx)
+        try:
+            while True:
+                with self._cond:
+                    while self._wanted is None and not self._closing:
+                        self._cond.wait(timeout=0.5)
+                    if self._closing:
+                        break
+                    version, self._wanted = self._wanted, None
+                fetched = self._fetch(client, version)
+                with self._cond:
+                    if fetched is not None and self._closing:
+                        client.nack(fetched.leased)
+                        break
+                    self._ready = fetched
+                    self._cond.notify_all()
+            with self._cond:
+                if self._ready is not None:  # fetched, never taken: give it back
+                    client.nack(self._ready.leased)
+                    self._ready = None
+        except BaseException as e:  # noqa: BLE001 - re-raised by take() in the learner thread
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+        finally:
+            client.close()

@@ -1,0 +1,108 @@
+"""One learner step on this rank's share of the batch: prepare, then `epochs x minibatches`
+optimizer updates, each accumulated over `micro_batches` micro-batches.
+
+Every rank runs the same sequence of forwards, backwards and updates (pieces without data are
+zero-weighted dummies), so DDP's all-reduce and ZeRO's reduce-scatter/gather line up. Loss
+terms are shares of global means (learner/losses/aggregate.py): the statistics are summed
+over micro-batches and ranks, then averaged over updates.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from learner.backends.base import TrainBackend, build_backend
+from learner.dist import DistContext
+from learner.losses.aggregate import Denominator
+from learner.objectives.base import Objective
+from sluice.config.run import RunConfig
+from sluice.modeling.policy import load_policy_model
+from sluice.trajectory import Trajectory
+
+
+def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir: Path, device) -> Objective:
+    if cfg.model.kind == "mlp":
+        from learner.objectives.env import EnvObjective
+
+        return EnvObjective(cfg.learner.loss, model.config.obs_dim, device)
+    from learner.objectives.token import TokenObjective
+
+    return TokenObjective(
+        cfg.learner.loss,
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        cfg.rollout.temperature,
+        device,
+        reference_dir=model_dir,
+        dtype=cfg.model.dtype,
+    )
+
+
+class Trainer:
+    def __init__(
+        self, cfg: RunConfig, dist: DistContext, model_dir: Path, resume_dir: Path | None = None
+    ) -> None:
+        lc = cfg.learner
+        self.cfg = cfg
+        self.dist = dist
+        model, self.tokenizer = load_policy_model(cfg, resume_dir or model_dir, dist.device)
+        model.train()
+        self.objective = build_objective(cfg, model, self.tokenizer, model_dir, dist.device)
+        total_updates = lc.total_steps * lc.epochs * lc.minibatches
+        self.backend: TrainBackend = build_backend(lc, model, dist, total_updates, cfg.model.dtype)
+        if resume_dir is not None:
+            self.backend.load(resume_dir)
+        self.generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + dist.rank)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.backend.model
+
+    def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
+        lc, obj, be = self.cfg.learner, self.objective, self.backend
+        prepared = obj.prepare(be.module, trajs, self.dist)
+        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        maxima: dict[str, torch.Tensor] = {}
+        norms = []
+        for _ in range(lc.epochs):
+            for minibatch in obj.split(prepared, lc.minibatches, self.generator):
+                pieces = obj.micro(minibatch, lc.micro_batches)
+                denom = self.global_denominator(pieces)
+                for i, piece in enumerate(pieces):
+                    with be.accumulate(sync=i == len(pieces) - 1):
+                        loss, stats = obj.loss(be.module, piece, denom)
+                        be.backward(loss)
+                    for k, v in stats.items():
+                        v = v.detach().double().cpu()
+                        if k in obj.max_stats():
+                            maxima[k] = torch.maximum(maxima.get(k, v), v)
+                        else:
+                            sums[k] += v
+                norms.append(be.step())
+        return self.reduce_stats(sums, maxima, updates=lc.epochs * lc.minibatches) | {
+            "grad_norm": sum(norms) / len(norms),
+            "lr": be.lr(),
+        }
+
+    def global_denominator(self, pieces) -> Denominator:
+        local = torch.tensor(
+            [sum(self.objective.counts(p)[i] for p in pieces) for i in (0, 1)], dtype=torch.float64
+        )
+        tokens, sequences = self.dist.all_reduce(local).tolist()
+        return Denominator(tokens=tokens, sequences=sequences)
+
+    def reduce_stats(self, sums, maxima, updates: int) -> dict[str, float]:
+        names = sorted(sums)
+        out: dict[str, float] = {}
+        if names:
+            total = self.dist.all_reduce(torch.stack([sums[k] for k in names]))
+            out.update({k: float(v) / updates for k, v in zip(names, total)})
+        names = sorted(maxima)
+        if names:
+            top = self.dist.all_reduce(torch.stack([maxima[k] for k in names]), op="max")
+            out.update({k: float(v) for k, v in zip(names, top)})
+        return out

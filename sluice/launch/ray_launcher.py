@@ -1,0 +1,386 @@
+"""`sluice ray CONFIG`: every role of a run as its own Ray actor process, placed by Ray.
+
+1. **Cluster**: join `ray.address` ("auto" after `ray up`/`ray start`, or "ray://head:10001"),
+   or start a local Ray instance (`ray.local_num_cpus`) that is shut down at the end.
+2. **Placement**: one placement group with a bundle per role process (buffer shards, the
+   learner, rollout services); each bundle asks for its role's `ray.<role>` resources (CPUs,
+   GPUs, custom resources such as NPU), under the `ray.strategy` (PACK, SPREAD, ...).
+3. **Addresses through Ray**: each actor reports its node's IP and reserves free ports on its
+   node (a shard its port; the learner the control port and the weight-sync store port). The
+   driver writes them into the config (no hand-written addresses), saves the resolved config
+   as `<run dir>/config.yaml` and hands it to every actor, which runs its role in its own
+   process with the functions the per-role CLI commands call (`run_buffer`, `run_learner`,
+   `run_rollout`).
+4. **Supervision**: the run ends when the learner returns. A rollout service that dies or fails
+   is replaced by a new actor in the same bundle with the same index, up to `ray.max_restarts`
+   times per service, and rejoins through the control plane and weight sync. A shard or the
+   learner that dies fails the run (their state is not restartable yet).
+5. **Logs**: each actor's output streams to the driver through Ray, prefixed with the role
+   (the actor's repr); each role also writes `<run dir>/logs/<role>.log` on its node, and the
+   driver records placement and restarts in `<run dir>/metrics/launcher.jsonl`.
+6. **Shutdown**: rollouts, then the learner, then shards are asked to stop (their stop event,
+   as SIGTERM does for a process), then killed after a grace period; the placement group is
+   removed.
+
+Roles that run on several nodes need `run.dir` on a shared file system for one run record;
+otherwise each node keeps the logs and metrics of the roles it ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sluice.config.loader import config_from_dict, dump_config
+from sluice.config.ray import RoleResources
+from sluice.config.run import RunConfig
+from sluice.launch.local import _progress_info, resolve_run_dir
+from sluice.launch.role import EXIT_FAILED, EXIT_OK, quiet_libraries
+from sluice.metrics import JsonlLog
+from sluice.modeling import materialize_model_dir
+from sluice.net import free_ports
+from sluice.plots import write_run_plots
+
+ROLE_ENV = {
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+}
+
+
+class RoleActor:
+    """One role process on a Ray worker. Methods run in a small thread pool
+    (max_concurrency=2), so `halt` reaches a role while `run` is busy."""
+
+    def __init__(self, role: str, index: int, run_dir: str) -> None:
+        self.role, self.index = role, index
+        self.name = "learner" if role == "learner" else f"{role}-{index}"
+        self.stop = threading.Event()
+        quiet_libraries()
+        fmt = logging.Formatter(f"%(asctime)s {self.name} %(levelname)s %(name)s: %(message)s")
+        log_dir = Path(run_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        handlers: list[logging.Handler] = [
+            logging.StreamHandler(),
+            logging.FileHandler(log_dir / f"{self.name}.log"),
+        ]
+        for h in handlers:
+            h.setFormatter(fmt)
+        logging.basicConfig(level=os.environ.get("SLUICE_LOG_LEVEL", "INFO"), handlers=handlers, force=True)
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with this
+        return f"sluice-{self.name}"
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        return {"ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "host": os.uname().nodename}
+
+    def reserve_ports(self, n: int) -> list[int]:
+        return free_ports(n)
+
+    def run(self, config: dict[str, Any]) -> int:
+        """The role's main function; a failure is logged here (role log) and re-raised to the
+        driver."""
+        cfg = config_from_dict(config)
+        try:
+            if self.role == "buffer":
+                from buffer.service import run_buffer
+
+                return run_buffer(cfg, self.index, self.stop)
+            if self.role == "learner":
+                from learner.loop import run_learner
+
+                return run_learner(cfg, self.stop)
+            from rollout_svc.service import run_rollout
+
+            return run_rollout(cfg, self.index, self.stop)
+        except Exception:
+            logging.getLogger(self.name).exception("%s failed", self.name)
+            raise
+
+    def halt(self) -> None:
+        self.stop.set()
+
+
+@dataclass
+class Placed:
+    """A role process the driver supervises."""
+
+    role: str  # buffer | learner | rollout
+    index: int
+    bundle: int  # placement-group bundle it lives in (a restart reuses it)
+    actor: Any = None
+    ref: Any = None  # ObjectRef of its `run` call; None when not running
+    restarts: int = 0
+    node: dict | None = None
+
+    @property
+    def name(self) -> str:
+        return "learner" if self.role == "learner" else f"{self.role}-{self.index}"
+
+
+def _bundle(res: RoleResources) -> dict[str, float]:
+    out = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
+    return {k: v for k, v in out.items() if v > 0}
+
+
+class RayLauncher:
+    def __init__(self, cfg: RunConfig, console: Console | None = None, show_progress: bool = True) -> None:
+        self.cfg = cfg.model_copy(deep=True)
+        resolve_run_dir(self.cfg)
+        self.run_dir = self.cfg.run_dir
+        self.console = console or Console(stderr=True)
+        self.show_progress = show_progress
+        self.stop = threading.Event()
+        self.placed: list[Placed] = []
+        self.pg = None
+        self.events: JsonlLog | None = None
+        self.config: dict[str, Any] = {}
+        self.actor_class: Any = None
+
+    # -- cluster and placement -----------------------------------------------------------------
+
+    def connect(self) -> None:
+        import ray
+
+        rc = self.cfg.ray
+        env = {**ROLE_ENV, **rc.env}
+        kwargs: dict[str, Any] = {"namespace": rc.namespace, "runtime_env": {"env_vars": env}}
+        if rc.address is None:
+            kwargs |= {"num_cpus": rc.local_num_cpus, "include_dashboard": False}
+        ray.init(address=rc.address, log_to_driver=True, **kwargs)
+        self.actor_class = ray.remote(RoleActor)
+
+    def place(self) -> None:
+        import ray
+        from ray.util import placement_group
+
+        rc = self.cfg.ray
+        roles = [("buffer", k, rc.buffer) for k in range(self.cfg.buffer.shards)]
+        roles.append(("learner", 0, rc.learner))
+        roles += [("rollout", i, rc.rollout) for i in range(self.cfg.rollout.services)]
+        bundles = [_bundle(res) for _, _, res in roles]
+        self.pg = placement_group(bundles, strategy=rc.strategy, name=f"sluice-{self.cfg.run.name}")
+        try:
+            ray.get(self.pg.ready(), timeout=rc.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"Ray did not grant the placement group within {rc.ready_timeout_s:.0f}s: asked for "
+                f"{bundles} ({rc.strategy}); the cluster has {ray.cluster_resources()}"
+            ) from None
+        self.placed = [Placed(role, index, b) for b, (role, index, _) in enumerate(roles)]
+        self._start_actors(self.placed)
+
+    def _start_actors(self, placed: list[Placed]) -> None:
+        """One actor per role in its bundle; they start in parallel, each reports its node."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        for p in placed:
+            res: RoleResources = getattr(self.cfg.ray, p.role)
+            p.actor = self.actor_class.options(
+                num_cpus=res.num_cpus,
+                num_gpus=res.num_gpus,
+                resources=res.resources or None,
+                max_concurrency=2,
+                max_restarts=0,  # the driver replaces failed roles itself (see _on_exit)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=p.bundle
+                ),
+            ).remote(p.role, p.index, str(self.run_dir))
+        nodes = ray.get([p.actor.node.remote() for p in placed], timeout=self.cfg.ray.ready_timeout_s)
+        for p, node in zip(placed, nodes):
+            p.node = node
+
+    # -- addresses -----------------------------------------------------------------------------
+
+    def resolve_addresses(self) -> RunConfig:
+        """Ports reserved by the actors on their own nodes, written into the config."""
+        import ray
+
+        cfg = self.cfg.model_copy(deep=True)
+        shards = [p for p in self.placed if p.role == "buffer"]
+        shard_ports = ray.get([p.actor.reserve_ports.remote(1) for p in shards])
+        cfg.buffer.endpoints = [f"tcp://{p.node['ip']}:{ports[0]}" for p, ports in zip(shards, shard_ports)]
+        cfg.buffer.bind = [f"tcp://*:{ports[0]}" for ports in shard_ports]
+        learner = self._get("learner")
+        control_port, store_port = ray.get(learner.actor.reserve_ports.remote(2))
+        cfg.control.host, cfg.control.port = learner.node["ip"], control_port
+        cfg.control.bind = f"tcp://*:{control_port}"
+        cfg.weight_sync.master_addr, cfg.weight_sync.master_port = learner.node["ip"], store_port
+        return cfg
+
+    def _get(self, name: str) -> Placed:
+        return next(p for p in self.placed if p.name == name)
+
+    # -- run -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.events = JsonlLog(self.run_dir / "metrics" / "launcher.jsonl")
+        materialize_model_dir(self.cfg.model, self.run_dir)
+        self.connect()
+        self.place()
+        self.cfg = self.resolve_addresses()
+        dump_config(self.cfg, self.run_dir / "config.yaml")
+        self.config = self.cfg.model_dump(mode="json")
+        for p in self.placed:
+            self._record("placed", p)
+            p.ref = p.actor.run.remote(self.config)
+
+    def _record(self, event: str, p: Placed, **extra: Any) -> None:
+        assert self.events is not None
+        self.events.write({"event": event, "role": p.name, "bundle": p.bundle, **(p.node or {}), **extra})
+
+    def supervise(self) -> int:
+        """Wait for the learner; replace failed rollouts; fail on any other death."""
+        import ray
+
+        from sluice.control.client import ControlClient
+        from sluice.rpc import RpcError, RpcTimeout
+        from sluice.security import secure_context
+
+        control = ControlClient(
+            self.cfg.control.endpoint, timeout_s=2.0, ctx=secure_context(self.cfg.security, "client")
+        )
+        progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("v{task.completed:.0f}/{task.total:.0f}"),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not self.show_progress,
+            refresh_per_second=2,
+        )
+        code = EXIT_FAILED
+        next_poll = 0.0
+        try:
+            with progress:
+                task = progress.add_task(
+                    "training (ray)", total=self.cfg.learner.total_steps, info="starting roles"
+                )
+                while True:
+                    if self.stop.is_set():
+                        self.console.print("[yellow]interrupted: stopping every role")
+                        code = 130
+                        break
+                    running = {p.ref: p for p in self.placed if p.ref is not None}
+                    ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0.5)
+                    verdict = None
+                    for ref in ready:
+                        verdict = self._on_exit(running[ref]) if verdict is None else verdict
+                    if verdict is not None:
+                        code = verdict
+                        break
+                    if time.monotonic() >= next_poll:
+                        next_poll = time.monotonic() + 1.0
+                        try:
+                            learner = control.status().learner
+                        except (RpcTimeout, RpcError):
+                            continue
+                        if "reward_mean" in learner:
+                            progress.update(task, completed=learner["version"], info=_progress_info(learner))
+        finally:
+            control.close()
+        return code
+
+    def _on_exit(self, p: Placed) -> int | None:
+        """A role's `run` returned or its process died. Returns the run's exit code when this
+        ends the run, None when the run goes on."""
+        import ray
+
+        ref, p.ref = p.ref, None
+        try:
+            rc, error = ray.get(ref), None
+        except ray.exceptions.RayActorError as e:
+            rc, error = None, f"process died: {str(e).splitlines()[0]}"
+        except ray.exceptions.RayTaskError as e:
+            rc, error = None, f"failed: {str(e).strip().splitlines()[-1]}"
+        self._record("exit", p, rc=rc, error=error)
+        error = escape(error) if error is not None else None  # printed as rich markup below
+        if p.role == "learner":
+            if rc == EXIT_OK:
+                return EXIT_OK
+            self.console.print(
+                f"[red]learner ended ({error or f'exit {rc}'}); see {self.run_dir}/logs/learner.log"
+            )
+            return EXIT_FAILED
+        if p.role == "rollout" and rc == EXIT_OK:
+            return None  # a rollout ends itself when the learner announces shutdown
+        if p.role == "rollout" and p.restarts < self.cfg.ray.max_restarts:
+            p.restarts += 1
+            self.console.print(
+                f"[yellow]{p.name} {error or f'exited {rc}'}; restarting it "
+                f"({p.restarts}/{self.cfg.ray.max_restarts})"
+            )
+            ray.kill(p.actor, no_restart=True)
+            self._start_actors([p])
+            self._record("restarted", p, restarts=p.restarts, reason=error or f"exit {rc}")
+            p.ref = p.actor.run.remote(self.config)
+            return None
+        self.console.print(
+            f"[red]{p.name} {error or f'exited {rc}'}; failing the run (logs: {self.run_dir}/logs)"
+        )
+        return EXIT_FAILED
+
+    def shutdown(self, grace_s: float = 15.0) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            if self.events is not None:
+                self.events.close()
+            return
+        order = [p for r in ("rollout", "learner", "buffer") for p in self.placed if p.role == r]
+        for p in order:
+            if p.ref is not None:
+                p.actor.halt.remote()
+        pending = [p.ref for p in order if p.ref is not None]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        for p in order:
+            if p.actor is not None:
+                ray.kill(p.actor, no_restart=True)
+        if self.pg is not None:
+            ray.util.remove_placement_group(self.pg)
+        if self.events is not None:
+            self.events.close()
+        # Stops the local instance if this driver started one; otherwise only disconnects.
+        ray.shutdown()
+
+    def run(self) -> int:
+        try:
+            self.start()
+            code = self.supervise()
+        finally:
+            self.shutdown()
+        plots = write_run_plots(self.run_dir)
+        if plots:
+            self.console.print(f"plots: {', '.join(p.name for p in plots)} in {plots[0].parent}")
+        self.console.print(f"run directory: {self.run_dir}")
+        return code
+
+
+def run_ray(cfg: RunConfig, show_progress: bool = True) -> int:
+    launcher = RayLauncher(cfg, show_progress=show_progress)
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        launcher.stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return launcher.run()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,0 +1,174 @@
+"""deploy/: the compose file, Ray cluster YAML, systemd units and Slurm script match the CLI
+and the config they run."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import click
+import pytest
+import typer
+import yaml
+
+from sluice.cli import app
+from sluice.config.loader import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+ROLE_COMMANDS = {"buffer", "learner", "rollout", "status"}
+
+
+def parse_cli(args: list[str]) -> tuple[str, dict]:
+    """Parse a command line with the real CLI (no command runs): (command, its parameters)."""
+    group = typer.main.get_command(app)
+    name, *rest = args
+    command = group.get_command(click.Context(group), name)
+    assert command is not None, f"no such command: {name}"
+    ctx = command.make_context(f"sluice {name}", list(rest))
+    return name, ctx.params
+
+
+def compose_services() -> dict[str, dict]:
+    return yaml.safe_load(COMPOSE.read_text())["services"]
+
+
+def host_path(service: dict, container_path: str) -> Path:
+    """The file a container path maps to through the service's bind mounts."""
+    for volume in service["volumes"]:
+        source, target, *_ = volume.split(":")
+        if container_path.startswith(target + "/") and source.startswith("."):
+            return (COMPOSE.parent / source / container_path[len(target) + 1 :]).resolve()
+    raise AssertionError(f"{container_path} is not under a bind mount of {service['volumes']}")
+
+
+def test_compose_services_run_the_cli_with_a_mounted_config():
+    services = compose_services()
+    for name, svc in services.items():
+        command, params = parse_cli(svc["command"])
+        assert command in ROLE_COMMANDS, name
+        config = params.get("config") or params.get("target")
+        assert host_path(svc, config).is_file(), f"{name}: {config}"
+        if command in ("buffer", "rollout"):
+            index = params["shard" if command == "buffer" else "index"]
+            assert name == f"{command}-{index}"
+
+
+def test_compose_matches_the_config_it_runs():
+    """The file plus the compose environment is a valid config whose addresses are compose
+    services, with one service per shard and per rollout service."""
+    services = compose_services()
+    learner = services["learner"]
+    cfg = load_config(host_path(learner, learner["command"][1]), env=learner["environment"])
+    assert sorted(n for n in services if n.startswith("buffer-")) == [
+        f"buffer-{k}" for k in range(cfg.buffer.shards)
+    ]
+    assert sorted(n for n in services if n.startswith("rollout-")) == [
+        f"rollout-{i}" for i in range(cfg.rollout.services)
+    ]
+    for k, endpoint in enumerate(cfg.buffer.all_endpoints()):
+        host, port = re.fullmatch(r"tcp://([\w-]+):(\d+)", endpoint).groups()
+        assert host == f"buffer-{k}" and port in services[host]["expose"]
+        assert cfg.buffer.bind_endpoint(k) == f"tcp://*:{port}"
+    assert cfg.control.host == "learner" and str(cfg.control.port) in learner["expose"]
+    assert cfg.weight_sync.master_addr == "learner" and str(cfg.weight_sync.master_port) in learner["expose"]
+    assert cfg.metrics.prometheus_host == "0.0.0.0"
+    published = {
+        name: [int(p.split(":")[-1]) for p in svc.get("ports", [])] for name, svc in services.items()
+    }
+    assert cfg.metrics.port("learner") in published["learner"]
+    for k in range(cfg.buffer.shards):
+        assert cfg.metrics.port("buffer", k) in published[f"buffer-{k}"]
+    for i in range(cfg.rollout.services):
+        assert cfg.metrics.port("rollout", i) in published[f"rollout-{i}"]
+    # every service shares the run directory and the environment
+    for svc in services.values():
+        assert svc["environment"] == learner["environment"] and "runs:/runs" in svc["volumes"]
+    assert cfg.run.dir.startswith("/runs/")
+
+
+def test_dockerfile_installs_what_compose_runs():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["sluice"]' in text
+    for package in ("sluice", "buffer", "rollout_svc", "learner", "weight_sync"):
+        assert f"COPY {package} ./{package}" in text
+    assert (ROOT / ".dockerignore").is_file()
+
+
+def _compose_client() -> list[str] | None:
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    legacy = shutil.which("docker-compose")
+    return [legacy] if legacy else None
+
+
+@pytest.mark.skipif(_compose_client() is None, reason="no docker compose client on this machine")
+def test_docker_compose_config_validates():
+    proc = subprocess.run(
+        [*_compose_client(), "-f", str(COMPOSE), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_ray_cluster_yaml_matches_rays_schema():
+    jsonschema = pytest.importorskip("jsonschema")
+    ray_autoscaler = pytest.importorskip("ray.autoscaler")
+    schema = json.loads((Path(ray_autoscaler.__file__).parent / "ray-schema.json").read_text())
+    cluster = yaml.safe_load((DEPLOY / "ray" / "cluster.yaml").read_text())
+    jsonschema.validate(cluster, schema)
+    assert cluster["provider"]["type"] == "local"
+    commands = " ".join(cluster["setup_commands"] + cluster["head_start_ray_commands"])
+    assert "scripts/setup.sh" in commands and (ROOT / "scripts" / "setup.sh").is_file()
+    # the run command documented at the top is a valid `sluice ray` command line
+    text = (DEPLOY / "ray" / "cluster.yaml").read_text()
+    line = re.search(r"sluice ray (.*?)'", text.replace("\\\n#", "")).group(1)
+    name, params = parse_cli(["ray", *shlex.split(line)])
+    cfg = load_config(ROOT / params["config"], params["overrides"])
+    assert cfg.ray.address == "auto" and cfg.ray.strategy == "SPREAD"
+
+
+@pytest.mark.parametrize("unit", sorted((DEPLOY / "systemd").glob("*.service")), ids=lambda p: p.name)
+def test_systemd_units_run_a_role(unit):
+    text = unit.read_text()
+    exec_start = re.search(r"^ExecStart=(.*)$", text, re.M).group(1)
+    program, *args = shlex.split(exec_start.replace("%i", "0"))
+    assert program.endswith("/sluice")
+    command, _ = parse_cli(args)
+    assert unit.name.startswith(f"sluice-{command}")
+    assert "RestartPreventExitStatus=2" in text and "KillSignal=SIGTERM" in text
+
+
+def test_slurm_script_is_valid_bash_running_each_role():
+    script = DEPLOY / "slurm" / "sluice.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    roles = re.findall(r'"\$SLUICE" (\w+) "\$CONFIG"', text)
+    assert sorted(roles) == ["buffer", "config", "learner", "rollout"]
+    assert "SLURM_PROCID" in text  # rollouts take --index from srun's task rank
+
+
+def test_readme_run_commands_parse_with_the_cli():
+    """The commands of the README's three ways to run are valid command lines."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    text = "\n".join(blocks).replace("\\\n", " ")
+    lines = [line.split("#")[0].strip() for line in text.splitlines()]
+    sluice_lines = [line.split(".venv/bin/sluice ", 1)[1] for line in lines if ".venv/bin/sluice " in line]
+    assert {line.split()[0] for line in sluice_lines} >= {"run", "ray", "status"}
+    for line in sluice_lines:
+        args = shlex.split(line.rstrip("'"))
+        command, params = parse_cli(args)
+        if command in ("run", "ray"):
+            load_config(ROOT / params["config"], params["overrides"])
+    compose_lines = [line for line in lines if line.startswith("docker compose")]
+    assert compose_lines and all("-f deploy/docker-compose.yml" in line for line in compose_lines)
+    assert "status" in compose_services()

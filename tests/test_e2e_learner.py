@@ -1,0 +1,97 @@
+"""End to end with real processes: CartPole through the actor-learner path, two policies in
+one run, and a DeepSpeed ZeRO-2 learner group of 2 ranks training the quickstart task."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sluice.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def sluice_run(
+    config: str, run_dir: Path, *overrides: str, timeout: float = 420
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sluice.cli",
+            "run",
+            str(ROOT / "configs" / config),
+            f"run.dir={run_dir}",
+            *overrides,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def test_cartpole_reaches_475_through_the_actor_learner_path(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = sluice_run("cartpole.yaml", run_dir, "run.seed=0", "learner.total_steps=600")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    last = steps[-1]
+    assert last["episode_return_mean"] >= 475, last["episode_return_mean"]
+    assert last["version"] < 600  # it stopped because the target was reached
+    assert all(s["staleness_max"] <= 2 for s in steps) and last["total_violations"] == 0
+    rollouts = read_jsonl(run_dir / "metrics" / "rollout-0.jsonl")
+    assert rollouts and rollouts[-1]["version"] > 0  # the actors acted with published weights
+
+
+def test_two_policies_train_in_one_run_on_their_own_streams(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = sluice_run(
+        "cartpole.yaml",
+        run_dir,
+        "learner.policies=[left, right]",
+        "learner.total_steps=8",
+        "learner.target_return=null",
+        "learner.audit_consumed=true",
+        "env.num_envs=4",
+        "learner.batch_size=8",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for suffix, service in (("", "rollout-0/"), ("-right", "rollout-1/")):
+        steps = read_jsonl(run_dir / "metrics" / f"learner{suffix}.jsonl")
+        assert [s["version"] for s in steps] == list(range(1, 9))  # its own version counter
+        trained = [
+            i for r in read_jsonl(run_dir / "metrics" / f"consumed{suffix}.jsonl") for i in r["trained"]
+        ]
+        assert len(trained) == 8 * 8 and all(i.startswith(service) for i in trained)  # its own stream
+        assert (run_dir / f"checkpoints{suffix}" / "step_000008").is_dir()
+    assert {"learner", "learner-right"} <= {p.stem for p in (run_dir / "endpoints").glob("*.json")}
+
+
+def test_deepspeed_zero2_two_ranks_train_the_quickstart_task(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = sluice_run(
+        "quickstart.yaml",
+        run_dir,
+        "learner.total_steps=100",
+        "learner.ranks=2",
+        "learner.backend=deepspeed",
+        "learner.zero_stage=2",
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    assert [s["version"] for s in steps] == list(range(1, 101))
+    first = sum(s["reward_mean"] for s in steps[:15]) / 15
+    last = sum(s["reward_mean"] for s in steps[-15:]) / 15
+    assert last > first + 0.03, (first, last)
+    assert all(s["staleness_max"] <= 2 for s in steps) and steps[-1]["total_violations"] == 0
+    ckpt = run_dir / "checkpoints" / "step_000100"
+    assert (ckpt / "model.safetensors").is_file() and (ckpt / "deepspeed").is_dir()
+    assert {"learner", "learner-r1"} <= {p.stem for p in (run_dir / "endpoints").glob("*.json")}

@@ -1,0 +1,129 @@
+"""`sluice ray` on a local Ray instance (started and shut down by the launcher): every role is
+its own Ray-placed actor process, addresses travel through Ray, failed rollouts are replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sluice.metrics import read_jsonl
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+ROLES = {"buffer-0", "learner", "rollout-0", "rollout-1"}
+
+
+def start_ray_run(run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen:
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sluice.cli",
+                "ray",
+                str(QUICKSTART),
+                f"run.dir={run_dir}",
+                "ray.local_num_cpus=4",
+                *overrides,
+                "--no-progress",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+        )
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(run_dir / "metrics" / "launcher.jsonl") if e["event"] == kind]
+
+
+def descendants(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def alive(pids: set[int]) -> set[int]:
+    return {p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+
+
+def test_ray_run_trains_with_every_role_a_separate_ray_process(tmp_path, process_reaper):
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    proc = start_ray_run(run_dir, log, "learner.total_steps=8")
+    process_reaper.append(proc)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 400
+    while proc.poll() is None:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        seen |= descendants(proc.pid)  # Ray's own processes and the role actors
+        time.sleep(0.5)
+    output = log.read_text()
+    assert proc.returncode == 0, output[-4000:]
+
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    assert [s["version"] for s in steps] == list(range(1, 9))
+    assert (run_dir / "checkpoints" / "step_000008" / "model.safetensors").is_file()
+
+    # one placement-group bundle and one process per role, none of them the driver
+    placed = {e["role"]: e for e in events(run_dir, "placed")}
+    assert set(placed) == ROLES
+    assert sorted(e["bundle"] for e in placed.values()) == [0, 1, 2, 3]
+    pids = {e["pid"] for e in placed.values()}
+    assert len(pids) == 4 and proc.pid not in pids
+    # each role ran inside its actor's process (the role records its own pid)
+    for role in ROLES:
+        assert json.loads((run_dir / "endpoints" / f"{role}.json").read_text())["pid"] == placed[role]["pid"]
+    # the addresses were resolved through Ray: the node IP the actors reported
+    import yaml
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["buffer"]["endpoints"][0].startswith(f"tcp://{placed['buffer-0']['ip']}:")
+    assert cfg["control"]["host"] == cfg["weight_sync"]["master_addr"] == placed["learner"]["ip"]
+    # logs streamed to the driver with the role as prefix, and kept per role in the run dir
+    assert "(sluice-learner pid=" in output and "(sluice-rollout-1 pid=" in output
+    assert all((run_dir / "logs" / f"{role}.log").stat().st_size > 0 for role in ROLES)
+    assert (run_dir / "plots" / "reward.png").is_file()
+    # Ray (its processes are the driver's descendants, the role actors among them) is gone
+    assert pids <= seen
+    assert not alive(seen)
+
+
+def test_killed_rollout_is_restarted_and_training_continues(tmp_path, process_reaper):
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    proc = start_ray_run(
+        run_dir, log, "learner.total_steps=60", "weight_sync.timeout_s=20", "ray.max_restarts=2"
+    )
+    process_reaper.append(proc)
+    deadline = time.monotonic() + 300
+    while len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) < 5:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    victim = json.loads((run_dir / "endpoints" / "rollout-0.json").read_text())["pid"]
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    while not events(run_dir, "restarted"):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    restarted = events(run_dir, "restarted")[0]
+    assert restarted["role"] == "rollout-0" and restarted["pid"] != victim
+    assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    assert [s["version"] for s in steps] == list(range(1, 61))
+    assert sum(s["time"] > killed_at for s in steps) >= 50  # training went on after the kill
+    # the replacement generated with current weights after it joined
+    fresh = [r for r in read_jsonl(run_dir / "metrics" / "rollout-0.jsonl") if r["time"] > restarted["time"]]
+    assert fresh and max(r["version"] for r in fresh) > 5

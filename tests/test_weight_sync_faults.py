@@ -1,0 +1,130 @@
+"""Receivers in real processes that crash or hang mid-sync never hang the learner; the group is
+rebuilt without them and the next versions reach the rest; a revived receiver joins again."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from weight_sync_env import SyncEnv, model_digest, perturb, small_cfg
+
+from weight_sync.announcements import HEAD_KEY, sums_key
+from weight_sync.broadcaster import WeightBroadcaster
+
+pytestmark = pytest.mark.slow
+
+
+class SlowGatherBroadcaster(WeightBroadcaster):
+    """Each bucket takes a while to gather (as from a big sharded model), so a receiver killed
+    after the first bucket went out is certainly killed in the middle of the publish."""
+
+    def _send(self, version, layout, produce, base_version=-1):
+        def slow(i, bucket):
+            time.sleep(0.05)
+            return produce(i, bucket)
+
+        return super()._send(version, layout, slow, base_version)
+
+
+@pytest.fixture
+def env_factory():
+    envs: list[SyncEnv] = []
+
+    def make(cfg, broadcaster_cls=WeightBroadcaster) -> SyncEnv:
+        env = SyncEnv(cfg, broadcaster_cls=broadcaster_cls)
+        envs.append(env)
+        return env
+
+    yield make
+    for env in envs:
+        env.close()
+
+
+def big_model() -> torch.nn.Module:
+    """~48 MiB of fp32: a publish to three receivers takes long enough to be hit mid-way."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])
+
+
+def publish_in_thread(env: SyncEnv, version: int, model: torch.nn.Module) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        out["stats"] = env.broadcaster.publish(version, model)
+        out["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def wait_first_bucket(env: SyncEnv, seq: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not env.broadcaster.store.check([sums_key(seq)]):
+        assert time.monotonic() < deadline, "the publish never started sending"
+        time.sleep(0.001)
+
+
+def test_receiver_killed_mid_sync_does_not_hang_the_learner(env_factory, tmp_path):
+    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=3, liveness_timeout_s=2)
+    env = env_factory(cfg, SlowGatherBroadcaster)
+    model = big_model()
+    probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
+    env.wait_members(3)
+    assert env.broadcaster.publish(1, model).members == 3
+    for p in probes:
+        assert p.wait_version(1)["digest"] == model_digest(model)
+    perturb(model)
+    seq = int(env.broadcaster.store.get(HEAD_KEY))  # the next announcement: version 2
+    thread, out = publish_in_thread(env, 2, model)
+    # the highest rank: in gloo's broadcast tree a leaf fed by another receiver, so the
+    # learner's own sends all succeed and only the members' reports tell it what happened
+    victim = next(p for p in probes if p.service_id == env.broadcaster._members[-1])
+    wait_first_bucket(env, seq)
+    victim.kill(signal.SIGKILL)  # a real crash while the buckets are on the wire
+    thread.join(timeout=cfg.publish_timeout_s + cfg.ready_timeout_s + 20)
+    assert not thread.is_alive(), "the learner hangs on a dead receiver"
+    # found by a failure or the heartbeat, not the (long) collective timeout
+    assert out["stats"].retried and out["seconds"] < cfg.publish_timeout_s
+    survivors = [p for p in probes if p is not victim]
+    for p in survivors:
+        assert p.wait_version(2)["digest"] == model_digest(model)  # this version still reached them
+    perturb(model)
+    stats = env.broadcaster.publish(3, model)  # the next version, over the rebuilt group
+    assert stats.members == 2 and stats.delivered
+    for p in survivors:
+        got = p.wait_version(3)
+        assert got["version"] == 3 and got["digest"] == model_digest(model)
+    assert set(env.broadcaster.membership.status().members) == {p.service_id for p in survivors}
+
+
+def test_hung_receiver_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(env_factory, tmp_path):
+    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=3, ready_timeout_s=2)
+    env = env_factory(cfg)
+    model = big_model()
+    probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
+    env.wait_members(3)
+    env.broadcaster.publish(1, model)
+    for p in probes:
+        p.wait_version(1)
+    probes[2].kill(signal.SIGSTOP)  # alive but not taking part (swapped out, debugger, ...)
+    perturb(model)
+    t0 = time.monotonic()
+    stats = env.broadcaster.publish(2, model)
+    elapsed = time.monotonic() - t0
+    assert elapsed < cfg.publish_timeout_s + cfg.ready_timeout_s + 10, elapsed
+    assert stats.retried and stats.delivered and stats.members == 2
+    for p in probes[:2]:
+        assert p.wait_version(2)["digest"] == model_digest(model)
+    probes[2].kill(signal.SIGCONT)  # it wakes up, sees it was left out, pulls and joins again
+    got = probes[2].wait_version(2)
+    assert got["digest"] == model_digest(model) and got["pulls"] >= 1
+    env.wait_members(3)
+    perturb(model)
+    assert env.broadcaster.publish(3, model).members == 3
+    for p in probes:
+        assert p.wait_version(3)["digest"] == model_digest(model)

@@ -1,0 +1,86 @@
+"""Weight-sync membership on the control plane: JOIN / LEAVE / SYNC_REPORT over real ZeroMQ."""
+
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from sluice.control.admission import AdmissionPolicy
+from sluice.control.client import ControlClient
+from sluice.control.server import ControlServer
+from sluice.net import free_port
+from sluice.rpc import RpcError
+from weight_sync.membership import Candidate, Membership
+
+
+@pytest.fixture
+def control():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ControlServer(endpoint, AdmissionPolicy(batch_size=8, max_staleness=0), ctx=zmq.Context())
+    server.start()
+    client = ControlClient(endpoint, timeout_s=5)
+    yield server, client
+    client.close()
+    server.close()
+
+
+def test_membership_ops_need_an_attached_registry(control):
+    _, client = control
+    with pytest.raises(RpcError) as e:
+        client.join("rollout-0", "a", -1)
+    assert e.value.code == "BAD_HEADER" and "no weight-sync membership" in e.value.message
+    assert client.status().weight_sync is None
+
+
+def test_join_epoch_leave_and_reports(control):
+    server, client = control
+    membership = Membership()
+    server.attach_membership(membership)
+    reply = client.join("rollout-0", "inc-a", 3)
+    assert reply.seq == 0 and reply.epoch == 0 and reply.published_version == -1
+    client.join("rollout-1", "inc-b", -1)
+    assert membership.needs_epoch()
+    seq, epoch, candidates = membership.begin_epoch()  # what the broadcaster does at a publish
+    assert (seq, epoch) == (0, 1) and [c.service_id for c in candidates] == ["rollout-0", "rollout-1"]
+    assert not membership.needs_epoch()
+    assert client.join("rollout-2", "inc-c", -1).seq == 1  # after the epoch announcement
+    membership.commit_epoch([candidates[0]], dropped=[candidates[1]])  # rollout-1 did not confirm
+    status = client.status().weight_sync
+    assert status.epoch == 1
+    assert {k: v.state for k, v in status.members.items()} == {"rollout-0": "member", "rollout-2": "pending"}
+    client.sync_report("rollout-0", "inc-a", epoch=1, version=4, outcome="refused", error="checksum")
+    client.sync_report("rollout-0", "inc-a", epoch=1, version=5, outcome="ok")
+    problems = membership.take_problems()
+    assert [(p.service_id, p.outcome, p.version) for p in problems] == [("rollout-0", "refused", 4)]
+    member = client.status().weight_sync.members["rollout-0"]
+    assert (member.version, member.refused, member.last_error) == (5, 1, "checksum")
+    assert not client.leave("rollout-0", "stale-incarnation").removed  # a dead process's LEAVE
+    assert client.leave("rollout-0", "inc-a").removed
+    assert membership.needs_epoch() and membership.registered() == 1
+
+
+def test_restarted_service_replaces_its_old_incarnation(control):
+    server, client = control
+    membership = Membership()
+    server.attach_membership(membership)
+    client.join("rollout-0", "old", 1)
+    _, _, candidates = membership.begin_epoch()
+    client.join("rollout-0", "new", 1)  # restarted while the epoch formed
+    membership.commit_epoch(candidates, dropped=[])
+    member = client.status().weight_sync.members["rollout-0"]
+    assert member.state == "pending"  # the old incarnation's confirmation does not count
+    assert membership.needs_epoch() and membership.counters["replaced"] == 1
+    membership.commit_epoch([], dropped=[Candidate("rollout-0", "old")])
+    assert membership.registered() == 1  # dropping the old one leaves the new one alone
+
+
+def test_bad_membership_requests_are_named(control):
+    server, client = control
+    server.attach_membership(Membership())
+    with pytest.raises(RpcError) as e:
+        client.join("", "a", -1)
+    assert e.value.code == "BAD_HEADER" and "service_id" in e.value.message
+    with pytest.raises(RpcError) as e:
+        client.sync_report("rollout-0", "a", epoch=1, version=1, outcome="maybe")
+    assert e.value.code == "BAD_HEADER" and "outcome" in e.value.message
+    assert client.join("rollout-0", "a", -1).ok  # still serving

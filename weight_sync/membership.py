@@ -1,0 +1,212 @@
+"""Who receives weights: learner rank 0's registry of weight-sync members.
+
+A rollout service's receiver JOINs (over the control plane) after it pulled the current
+version, and is *pending* until the learner's next membership epoch lists it; once it
+confirmed that epoch it is a *member* of the group. LEAVE removes it; a candidate that does not
+confirm an epoch in time is dropped and must JOIN again. Any change makes the broadcaster form
+a new epoch (a new group under a new store prefix) before its next publish.
+
+Thread rules: the control server thread calls `handle` and `status`; the learner thread (the
+broadcaster) calls the rest. One lock guards everything. The announcement sequence number
+lives here, under the same lock, so that the `seq` in a JOIN reply is never past the epoch
+announcement that lists the joiner: candidates are chosen and that announcement's number is
+reserved in one step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Literal
+
+from sluice.control.messages import (
+    JoinReply,
+    JoinRequest,
+    LeaveReply,
+    LeaveRequest,
+    MemberSyncStatus,
+    SyncReportReply,
+    SyncReportRequest,
+    WeightSyncStatus,
+)
+from sluice.wire.messages import PROTO_VERSION
+
+
+@dataclass
+class Member:
+    service_id: str
+    incarnation: str
+    held_version: int  # what it said it holds when it joined
+    state: Literal["pending", "member"] = "pending"
+    version: int = -1  # last version it reported verified
+    refused: int = 0
+    failed: int = 0
+    last_error: str = ""
+    report: tuple[int, int, str] | None = None  # (epoch, version, outcome) last reported
+
+
+@dataclass(frozen=True)
+class Candidate:
+    service_id: str
+    incarnation: str
+
+
+class Membership:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reported = threading.Condition(self._lock)
+        self._members: dict[str, Member] = {}
+        self._changed = False
+        self._seq = 0
+        self.epoch = 0
+        self.published_version = -1
+        self._problems: list[SyncReportRequest] = []
+        self.counters: Counter[str] = Counter()
+
+    # -- control-server thread -----------------------------------------------------------------
+
+    def handle(self, req: JoinRequest | LeaveRequest | SyncReportRequest):
+        with self._lock:
+            if isinstance(req, JoinRequest):
+                return self._join(req)
+            if isinstance(req, LeaveRequest):
+                return self._leave(req)
+            return self._report(req)
+
+    def _join(self, req: JoinRequest) -> JoinReply:
+        if not req.service_id or not req.incarnation:
+            raise ValueError("service_id and incarnation must not be empty")
+        if "/" in req.service_id:
+            raise ValueError(f"service_id={req.service_id!r} must not contain '/'")
+        old = self._members.get(req.service_id)
+        member = Member(req.service_id, req.incarnation, req.held_version)
+        if old is not None:
+            if old.incarnation != req.incarnation:
+                self.counters["replaced"] += 1  # a restarted service: the old process is gone
+            member.refused, member.failed, member.last_error = old.refused, old.failed, old.last_error
+        self._members[req.service_id] = member
+        self._changed = True
+        self.counters["joins"] += 1
+        return JoinReply(
+            proto=PROTO_VERSION,
+            id=req.id,
+            seq=self._seq,
+            epoch=self.epoch,
+            published_version=self.published_version,
+        )
+
+    def _leave(self, req: LeaveRequest) -> LeaveReply:
+        member = self._members.get(req.service_id)
+        removed = member is not None and member.incarnation == req.incarnation
+        if removed:
+            del self._members[req.service_id]
+            self._changed = True
+            self.counters["leaves"] += 1
+        return LeaveReply(proto=PROTO_VERSION, id=req.id, removed=removed)
+
+    def _report(self, req: SyncReportRequest) -> SyncReportReply:
+        member = self._members.get(req.service_id)
+        if member is not None and member.incarnation == req.incarnation:
+            member.report = (req.epoch, req.version, req.outcome)
+            self._reported.notify_all()
+            if req.outcome == "ok":
+                member.version = max(member.version, req.version)
+            else:
+                member.last_error = req.error
+                if req.outcome == "refused":
+                    member.refused += 1
+                else:
+                    member.failed += 1
+                self._problems.append(req)
+        if req.outcome != "ok":
+            self.counters[f"receiver_{req.outcome}"] += 1
+        return SyncReportReply(proto=PROTO_VERSION, id=req.id)
+
+    def status(self) -> WeightSyncStatus:
+        with self._lock:
+            return WeightSyncStatus(
+                epoch=self.epoch,
+                published_version=self.published_version,
+                members={
+                    m.service_id: MemberSyncStatus(m.state, m.version, m.refused, m.failed, m.last_error)
+                    for m in self._members.values()
+                },
+                counters={k: float(v) for k, v in self.counters.items()},
+            )
+
+    # -- learner thread ------------------------------------------------------------------------
+
+    def next_seq(self) -> int:
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            return seq
+
+    def needs_epoch(self) -> bool:
+        with self._lock:
+            return self._changed
+
+    def begin_epoch(self) -> tuple[int, int, list[Candidate]]:
+        """(announcement seq, new epoch, candidates in rank order): every registered service."""
+        with self._lock:
+            self.epoch += 1
+            self._changed = False
+            seq = self._seq
+            self._seq += 1
+            self.counters["epochs"] += 1
+            return seq, self.epoch, [Candidate(m.service_id, m.incarnation) for m in self._members.values()]
+
+    def commit_epoch(self, committed: list[Candidate], dropped: list[Candidate]) -> None:
+        """Committed candidates become members; dropped ones are forgotten (they JOIN again).
+        A candidate whose service joined again meanwhile (new incarnation) is left alone."""
+        with self._lock:
+            for c in committed:
+                m = self._members.get(c.service_id)
+                if m is not None and m.incarnation == c.incarnation:
+                    m.state = "member"
+            for c in dropped:
+                m = self._members.get(c.service_id)
+                if m is not None and m.incarnation == c.incarnation:
+                    del self._members[c.service_id]
+                    self.counters["dropped"] += 1
+
+    def wait_reports(
+        self, epoch: int, version: int, service_ids: list[str], timeout_s: float
+    ) -> dict[str, str]:
+        """Outcome per member that reported `version` over `epoch` (a member that left counts
+        as "left"); returns when all did, when one failed, or after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._reported:
+            while True:
+                got = {}
+                for sid in service_ids:
+                    m = self._members.get(sid)
+                    if m is None:
+                        got[sid] = "left"
+                    elif m.report is not None and m.report[:2] == (epoch, version):
+                        got[sid] = m.report[2]
+                remaining = deadline - time.monotonic()
+                if len(got) == len(service_ids) or "failed" in got.values() or remaining <= 0:
+                    return got
+                self._reported.wait(remaining)
+
+    def take_problems(self) -> list[SyncReportRequest]:
+        """Refusals and failures reported since the last call."""
+        with self._lock:
+            problems, self._problems = self._problems, []
+            return problems
+
+    def set_published(self, version: int) -> None:
+        with self._lock:
+            self.published_version = version
+            self.counters["publishes"] += 1
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def registered(self) -> int:
+        with self._lock:
+            return len(self._members)
