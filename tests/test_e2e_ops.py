@@ -96,9 +96,16 @@ def test_secure_run_serves_metrics_and_status_and_writes_plots(tmp_path, process
     assert scrape(endpoints["learner"]["metrics_port"])["sluice_learner_version"] >= 5
     assert scrape(endpoints["rollout-0"]["metrics_port"])["sluice_rollout_samples_total"] > 0
 
-    # `sluice status` (a CURVE client with the run's keys) shows live numbers
-    first = status_json(run_dir)
-    rows = {r["role"]: r for r in first["rows"]}
+    # `sluice status` (a CURVE client with the run's keys) shows live numbers; a rollout reports
+    # its rate in the first heartbeat after it has generated (a slow starter may not have yet)
+    deadline = time.monotonic() + 60
+    while True:
+        first = status_json(run_dir)
+        rows = {r["role"]: r for r in first["rows"]}
+        rates = [rows.get(f"rollout-{i}", {}).get("samples_per_s") for i in (0, 1)]
+        if all(rate is not None for rate in rates) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
     assert all(r["state"] == "ok" for r in rows.values()), rows
     assert rows["learner"]["version"] >= 5 and rows["learner"]["samples_per_s"] > 0
     assert rows["buffer-0"]["fill"] is not None
