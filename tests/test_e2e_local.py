@@ -107,7 +107,19 @@ def test_synchronous_bound_consumes_only_current_version(tmp_path):
     assert steps[-1]["total_violations"] == 0
 
 
-def test_ctrl_c_stops_every_role_and_frees_ports(tmp_path, process_reaper):
+def wait_until(predicate, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.5)
+
+
+def learner_steps(run_dir: Path) -> int:
+    return len(read_jsonl(run_dir / "metrics" / "learner.jsonl"))
+
+
+def test_killed_rollout_is_restarted_then_ctrl_c_stops_every_role_and_frees_ports(tmp_path, process_reaper):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
@@ -126,12 +138,26 @@ def test_ctrl_c_stops_every_role_and_frees_ports(tmp_path, process_reaper):
         start_new_session=True,
     )
     process_reaper.append(proc)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) < 5:
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        time.sleep(0.5)
+    wait_until(lambda: learner_steps(run_dir) >= 5, proc, "5 learner steps")
+
+    # kill -9 a rollout service: the launcher starts it again and training goes on
+    record = run_dir / "endpoints" / "rollout-0.json"
+    killed = json.loads(record.read_text())["pid"]
+    os.kill(killed, signal.SIGKILL)
+    events = run_dir / "metrics" / "launcher.jsonl"
+    wait_until(lambda: any(e.get("event") == "restarted" for e in read_jsonl(events)), proc, "a restart")
+    restarted = next(e for e in read_jsonl(events) if e.get("event") == "restarted")
+    assert (
+        restarted["role"] == "rollout-0" and restarted["rc"] == -signal.SIGKILL and restarted["restarts"] == 1
+    )
+    wait_until(
+        lambda: json.loads(record.read_text())["pid"] == restarted["pid"], proc, "the new rollout-0 serving"
+    )
+    steps = learner_steps(run_dir)
+    wait_until(lambda: learner_steps(run_dir) >= steps + 5, proc, "5 more learner steps")
+
     pids = role_pids(run_dir)
-    assert len(pids) == 4
+    assert len(pids) == 4 and killed not in pids
     os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends to the launcher
     proc.wait(timeout=60)
     assert proc.returncode == 130

@@ -105,7 +105,7 @@ def test_ray_run_trains_with_every_role_a_separate_ray_process(tmp_path, process
 def test_killed_rollout_is_restarted_and_training_continues(tmp_path, process_reaper):
     run_dir, log = tmp_path / "run", tmp_path / "driver.log"
     proc = start_ray_run(
-        run_dir, log, "learner.total_steps=60", "weight_sync.timeout_s=20", "ray.max_restarts=2"
+        run_dir, log, "learner.total_steps=60", "weight_sync.timeout_s=20", "rollout.max_restarts=2"
     )
     process_reaper.append(proc)
     deadline = time.monotonic() + 300

@@ -36,8 +36,6 @@ class RayConfig(Section):
     """Resources of each learner rank."""
     rollout: RoleResources = RoleResources()
     """Resources of each rollout service."""
-    max_restarts: int = Field(3, ge=0)
-    """Times the launcher restarts one rollout service that died before the run fails."""
     ready_timeout_s: float = Field(600.0, gt=0)
     """How long to wait for the cluster to grant the placement group."""
     env: dict[str, str] = {}

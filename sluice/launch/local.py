@@ -5,7 +5,9 @@ model directory once, writes `<run dir>/config.yaml`, and starts buffer shards, 
 and the rollout services with `python -m sluice.cli <role> <run dir>/config.yaml`. Each child
 runs in its own session (a terminal Ctrl-C reaches only the launcher, which then stops the
 children in order) and gets SIGTERM if the launcher dies. The run ends when the learner
-exits: 0 means done; any role that dies unexpectedly fails the run loudly with its log tail.
+exits: 0 means done. A rollout service that dies (killed, crashed) is started again with the
+same index, up to `rollout.max_restarts` times, and joins the running system as a new member;
+any other role that dies unexpectedly fails the run loudly with its log tail.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ class Child:
     log_path: Path
     exits_with_run: bool  # True: exits 0 on its own when the learner is done (rollouts)
     is_learner: bool = False  # a rank of a learner group: the run ends when all of them exit
+    args: list[str] = field(default_factory=list)  # the role's CLI arguments (to restart it)
+    env: dict[str, str] = field(default_factory=dict)  # the role's own environment variables
+    restarts: int = 0  # times this role was started again after dying
 
 
 @dataclass
@@ -123,7 +128,7 @@ class LocalLauncher:
         config_path: Path,
         exits_with_run: bool,
         extra_env: dict[str, str] | None = None,
-    ) -> None:
+    ) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
         # SLUICE__* overrides are already in the resolved config; applied again they could
         # undo what the launcher resolved (e.g. a port of 0).
@@ -139,7 +144,9 @@ class LocalLauncher:
                 env=env,
                 start_new_session=True,
             )
-        self.children.append(Child(name, proc, log_path, exits_with_run, is_learner=args[0] == "learner"))
+        child = Child(name, proc, log_path, exits_with_run, args[0] == "learner", args, extra_env or {})
+        self.children.append(child)
+        return child
 
     def start(self) -> None:
         config_path = self.prepare()
@@ -211,6 +218,7 @@ class LocalLauncher:
                     break
                 dead = [c for c in self.children if c.proc.poll() is not None and not c.is_learner]
                 unexpected = [c for c in dead if not (c.exits_with_run and c.proc.returncode == 0)]
+                unexpected = [c for c in unexpected if not self._restart(c, run_log)]
                 if unexpected:
                     for c in unexpected:
                         self._report_death(c, c.proc.returncode)
@@ -222,6 +230,33 @@ class LocalLauncher:
                 progress.update(task, completed=tail.last.get("version", 0), info=_progress_info(tail.last))
         run_log.close()
         return code
+
+    def _restart(self, child: Child, run_log: JsonlLog) -> bool:
+        """Start a dead rollout service again (same index, new incarnation). False: not a
+        restartable role, or it used up `rollout.max_restarts`."""
+        limit = self.cfg.rollout.max_restarts
+        if not child.name.startswith("rollout") or child.restarts >= limit:
+            return False
+        rc = child.proc.returncode
+        _signal_group(child.proc, signal.SIGKILL)  # whatever it started (engine processes)
+        self.children.remove(child)
+        new = self._spawn(
+            child.name, child.args, self.run_dir / "config.yaml", child.exits_with_run, child.env
+        )
+        new.restarts = child.restarts + 1
+        self.console.print(
+            f"[yellow]{child.name} exited with code {rc}; restarting it ({new.restarts}/{limit})"
+        )
+        run_log.write(
+            {
+                "event": "restarted",
+                "role": child.name,
+                "rc": rc,
+                "restarts": new.restarts,
+                "pid": new.proc.pid,
+            }
+        )
+        return True
 
     def _child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)

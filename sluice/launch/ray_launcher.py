@@ -12,7 +12,7 @@
    process with the functions the per-role CLI commands call (`run_buffer`, `run_learner`,
    `run_rollout`).
 4. **Supervision**: the run ends when the learner returns. A rollout service that dies or fails
-   is replaced by a new actor in the same bundle with the same index, up to `ray.max_restarts`
+   is replaced by a new actor in the same bundle with the same index, up to `rollout.max_restarts`
    times per service, and rejoins through the control plane and weight sync. A shard or the
    learner that dies fails the run (their state is not restartable yet).
 5. **Logs**: each actor's output streams to the driver through Ray, prefixed with the role
@@ -319,11 +319,11 @@ class RayLauncher:
             return EXIT_FAILED
         if p.role == "rollout" and rc == EXIT_OK:
             return None  # a rollout ends itself when the learner announces shutdown
-        if p.role == "rollout" and p.restarts < self.cfg.ray.max_restarts:
+        if p.role == "rollout" and p.restarts < self.cfg.rollout.max_restarts:
             p.restarts += 1
             self.console.print(
                 f"[yellow]{p.name} {error or f'exited {rc}'}; restarting it "
-                f"({p.restarts}/{self.cfg.ray.max_restarts})"
+                f"({p.restarts}/{self.cfg.rollout.max_restarts})"
             )
             ray.kill(p.actor, no_restart=True)
             self._start_actors([p])
