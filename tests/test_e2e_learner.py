@@ -3,43 +3,17 @@ one run, and a DeepSpeed ZeRO-2 learner group of 2 ranks training the quickstart
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from sluice_runs import sluice_run
 
 from sluice.metrics import read_jsonl
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.slow
 
 
-def sluice_run(
-    config: str, run_dir: Path, *overrides: str, timeout: float = 420
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sluice.cli",
-            "run",
-            str(ROOT / "configs" / config),
-            f"run.dir={run_dir}",
-            *overrides,
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-
-
 def test_cartpole_reaches_475_through_the_actor_learner_path(tmp_path):
     run_dir = tmp_path / "run"
-    proc = sluice_run("cartpole.yaml", run_dir, "run.seed=0", "learner.total_steps=600")
+    proc = sluice_run(run_dir, "run.seed=0", "learner.total_steps=600", config="cartpole.yaml")
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
     last = steps[-1]
@@ -53,7 +27,6 @@ def test_cartpole_reaches_475_through_the_actor_learner_path(tmp_path):
 def test_two_policies_train_in_one_run_on_their_own_streams(tmp_path):
     run_dir = tmp_path / "run"
     proc = sluice_run(
-        "cartpole.yaml",
         run_dir,
         "learner.policies=[left, right]",
         "learner.total_steps=8",
@@ -61,6 +34,7 @@ def test_two_policies_train_in_one_run_on_their_own_streams(tmp_path):
         "learner.audit_consumed=true",
         "env.num_envs=4",
         "learner.batch_size=8",
+        config="cartpole.yaml",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for suffix, service in (("", "rollout-0/"), ("-right", "rollout-1/")):
@@ -77,7 +51,6 @@ def test_two_policies_train_in_one_run_on_their_own_streams(tmp_path):
 def test_deepspeed_zero2_two_ranks_train_the_quickstart_task(tmp_path):
     run_dir = tmp_path / "run"
     proc = sluice_run(
-        "quickstart.yaml",
         run_dir,
         "learner.total_steps=100",
         "learner.ranks=2",

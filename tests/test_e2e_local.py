@@ -6,39 +6,16 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+from sluice_runs import learner_steps, sluice_run, start_run, wait_until
 
 from sluice.metrics import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-
 pytestmark = pytest.mark.slow
-
-
-def sluice_run(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sluice.cli",
-            "run",
-            str(QUICKSTART),
-            f"run.dir={run_dir}",
-            *overrides,
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
 
 
 def port_is_free(port: int) -> bool:
@@ -107,36 +84,9 @@ def test_synchronous_bound_consumes_only_current_version(tmp_path):
     assert steps[-1]["total_violations"] == 0
 
 
-def wait_until(predicate, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.5)
-
-
-def learner_steps(run_dir: Path) -> int:
-    return len(read_jsonl(run_dir / "metrics" / "learner.jsonl"))
-
-
 def test_killed_rollout_is_restarted_then_ctrl_c_stops_every_role_and_frees_ports(tmp_path, process_reaper):
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sluice.cli",
-            "run",
-            str(QUICKSTART),
-            f"run.dir={run_dir}",
-            "learner.total_steps=100000",
-            "--no-progress",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    proc = start_run(run_dir, "learner.total_steps=100000")
     process_reaper.append(proc)
     wait_until(lambda: learner_steps(run_dir) >= 5, proc, "5 learner steps")
 

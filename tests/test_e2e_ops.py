@@ -14,12 +14,9 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sluice_runs import ROOT, start_run, wait_for_steps
 
-from sluice.metrics import read_jsonl
 from sluice.security import generate_keys
-
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 
 pytestmark = pytest.mark.slow
 
@@ -49,38 +46,15 @@ def status_json(run_dir: Path, *overrides: str, expect: int = 0) -> dict:
     return json.loads(proc.stdout)
 
 
-def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) < n:
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        assert time.monotonic() < deadline, f"fewer than {n} learner steps in {timeout}s"
-        time.sleep(0.5)
-
-
 def test_secure_run_serves_metrics_and_status_and_writes_plots(tmp_path, process_reaper):
     keys = generate_keys(tmp_path / "keys")
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sluice.cli",
-            "run",
-            str(QUICKSTART),
-            f"run.dir={run_dir}",
-            "learner.total_steps=100000",
-            "--no-progress",
-        ],
-        cwd=ROOT,
-        env={
-            **os.environ,
-            "SLUICE__SECURITY__CURVE": "true",
-            "SLUICE__SECURITY__KEYS_DIR": str(keys.directory),
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    env = {
+        **os.environ,
+        "SLUICE__SECURITY__CURVE": "true",
+        "SLUICE__SECURITY__KEYS_DIR": str(keys.directory),
+    }
+    proc = start_run(run_dir, "learner.total_steps=100000", env=env)
     process_reaper.append(proc)
     wait_for_steps(run_dir, 5, proc)
     resolved = (run_dir / "config.yaml").read_text()

@@ -5,36 +5,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from sluice_runs import ROOT, sluice_run
 
 from sluice.metrics import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "configs" / "quickstart.yaml"
-
 pytestmark = pytest.mark.slow
-
-
-def sluice_run(run_dir: Path, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sluice.cli",
-            "run",
-            str(QUICKSTART),
-            f"run.dir={run_dir}",
-            *overrides,
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
 
 
 def test_multi_turn_task_with_partial_rollouts_trains(tmp_path):

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -318,8 +319,15 @@ def _progress_info(r: dict) -> str:
     )
 
 
-def run_local(cfg: RunConfig, show_progress: bool = True) -> int:
-    launcher = LocalLauncher(cfg, show_progress=show_progress)
+class Stoppable(Protocol):
+    stop: threading.Event
+
+    def run(self) -> int: ...
+
+
+def run_until_signalled(launcher: Stoppable) -> int:
+    """`launcher.run()`, with SIGINT / SIGTERM setting `launcher.stop` (it then stops every
+    role in order) instead of raising in the middle of it."""
 
     def on_signal(signum, frame):  # noqa: ARG001
         launcher.stop.set()
@@ -330,3 +338,7 @@ def run_local(cfg: RunConfig, show_progress: bool = True) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def run_local(cfg: RunConfig, show_progress: bool = True) -> int:
+    return run_until_signalled(LocalLauncher(cfg, show_progress=show_progress))

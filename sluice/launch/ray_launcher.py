@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from sluice.config.loader import config_from_dict, dump_config
 from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
-from sluice.launch.local import _progress_info, resolve_run_dir
+from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, quiet_libraries
 from sluice.metrics import JsonlLog
 from sluice.modeling import materialize_model_dir
@@ -373,14 +372,4 @@ class RayLauncher:
 
 
 def run_ray(cfg: RunConfig, show_progress: bool = True) -> int:
-    launcher = RayLauncher(cfg, show_progress=show_progress)
-
-    def on_signal(signum, frame):  # noqa: ARG001
-        launcher.stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return launcher.run()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    return run_until_signalled(RayLauncher(cfg, show_progress=show_progress))

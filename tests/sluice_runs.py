@@ -1,0 +1,68 @@
+"""`sluice run` from the end-to-end tests: to completion, or in the background to watch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from sluice.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_command(config: str, run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        "run",
+        str(ROOT / "configs" / config),
+        f"run.dir={run_dir}",
+        *overrides,
+        "--no-progress",
+    ]
+
+
+def sluice_run(
+    run_dir: Path, *overrides: str, config: str = "quickstart.yaml", timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run to the end; stdout and stderr captured as text."""
+    return subprocess.run(
+        run_command(config, run_dir, overrides), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def start_run(
+    run_dir: Path, *overrides: str, config: str = "quickstart.yaml", env: Mapping[str, str] | None = None
+) -> subprocess.Popen:
+    """Start in its own session (register it with the `process_reaper` fixture); output piped."""
+    return subprocess.Popen(
+        run_command(config, run_dir, overrides),
+        cwd=ROOT,
+        env=None if env is None else dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def learner_steps(run_dir: Path) -> int:
+    return len(read_jsonl(run_dir / "metrics" / "learner.jsonl"))
+
+
+def wait_until(
+    predicate: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 180
+) -> None:
+    """Poll `predicate` while the run lives; fail with the run's output if it ends first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
+        time.sleep(0.5)
+
+
+def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    wait_until(lambda: learner_steps(run_dir) >= n, proc, f"{n} learner steps", timeout)
