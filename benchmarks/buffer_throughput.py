@@ -292,7 +292,17 @@ def warmup_count(size: int, shards: int, n: int) -> int:
 
 
 def _producer_main(
-    endpoints: list[str], same_host: str, size: int, n: int, batch: int, window: int, ready, go, done, shared
+    endpoints: list[str],
+    same_host: str,
+    size: int,
+    n: int,
+    batch: int,
+    window: int,
+    ready,
+    go,
+    done,
+    shared,
+    release,
 ) -> None:
     from buffer.client import BufferClient
     from sluice.trajectory import Trajectory
@@ -317,6 +327,7 @@ def _producer_main(
                 pipe.put(trajs)
         shared.value = client.shared_put_bytes
     done.set()
+    release.wait(120)  # alive until the consumer has read this process's CPU time
 
 
 class ShardFleet:
@@ -396,7 +407,7 @@ def bench_sluice(
         transport=transport,
     )
     ctx = mp.get_context("spawn")
-    ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
+    ready, go, done, release = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     shared_bytes = ctx.Value("q", 0)
     # Durable, or sharing memory-backed segments: reach the steady state of segment reuse first.
     cycled = durable or transport == "same-host"
@@ -405,7 +416,19 @@ def bench_sluice(
     same_host = TRANSPORTS[transport]
     producer = ctx.Process(
         target=_producer_main,
-        args=(fleet.cfg.endpoints, same_host, size, total, batch, window, ready, go, done, shared_bytes),
+        args=(
+            fleet.cfg.endpoints,
+            same_host,
+            size,
+            total,
+            batch,
+            window,
+            ready,
+            go,
+            done,
+            shared_bytes,
+            release,
+        ),
     )
     producer.start()
     try:
@@ -442,6 +465,7 @@ def bench_sluice(
             client.ack(used)
             seconds = time.perf_counter() - t0
             each = meter.each()
+            release.set()
             cpu = sum(each)
             n = got - counted_from
             shared_got = client.shared_get_trajs
@@ -454,6 +478,7 @@ def bench_sluice(
             roles = {"consumer": each[0] / gb, "producer": each[1] / gb, "shards": sum(each[2:]) / gb}
         producer.join(timeout=60)
     finally:
+        release.set()
         if producer.is_alive():
             producer.kill()
         fleet.close()
