@@ -8,7 +8,9 @@ For each trajectory size, in the same run:
   the ceiling for any buffer that is its own process;
 - ray.util.queue.Queue (an actor-backed queue, what verl and OpenRLHF use) moving numpy arrays
   of the same size from a Ray task to the driver;
-- Sluice: a producer process PUTs (batched), the consumer (this process) GETs and ACKs, with
+- Sluice: a producer process PUTs (batched; up to `--put-window` PUT messages in flight, a
+  PutPipeline), the consumer (this process) GETs and ACKs (each batch with its next GET;
+  `--separate-ack`: an ACK request of its own), with
   shard processes writing their durable log (fsync policy `--fsync`, default none), over each
   transport (`--transports`): `zmq` (every byte in ZeroMQ frames) and `same-host` (the
   producer writes the arrays into space it reserved in the shard's segment file, the consumer
@@ -290,7 +292,17 @@ def warmup_count(size: int, shards: int, n: int) -> int:
 
 
 def _producer_main(
-    endpoints: list[str], same_host: str, size: int, n: int, batch: int, ready, go, done, shared
+    endpoints: list[str],
+    same_host: str,
+    size: int,
+    n: int,
+    batch: int,
+    window: int,
+    ready,
+    go,
+    done,
+    shared,
+    release,
 ) -> None:
     from buffer.client import BufferClient
     from sluice.trajectory import Trajectory
@@ -304,16 +316,18 @@ def _producer_main(
         client.ping(timeout_s=30)  # connected (and, same host, shared) before the clock starts
         ready.set()
         go.wait()
-        for start in range(0, n, batch):
-            trajs = [
-                Trajectory(
-                    traj_id=f"{run}-{i}", group_id=f"{run}-{i}", version=0, arrays={"x": views[i - start]}
-                )
-                for i in range(start, min(n, start + batch))
-            ]
-            client.put(trajs)
+        with client.pipeline(window) as pipe:
+            for start in range(0, n, batch):
+                trajs = [
+                    Trajectory(
+                        traj_id=f"{run}-{i}", group_id=f"{run}-{i}", version=0, arrays={"x": views[i - start]}
+                    )
+                    for i in range(start, min(n, start + batch))
+                ]
+                pipe.put(trajs)
         shared.value = client.shared_put_bytes
     done.set()
+    release.wait(120)  # alive until the consumer has read this process's CPU time
 
 
 class ShardFleet:
@@ -374,6 +388,8 @@ def bench_sluice(
     durable: bool = True,
     transport: str = "zmq",
     reads: bool = False,
+    window: int = 2,
+    ack_with_get: bool = True,
 ) -> Case:
     """PUT + GET + ACK through `shards` shard processes. `reads`: the consumer reads every byte."""
     import xxhash
@@ -391,7 +407,7 @@ def bench_sluice(
         transport=transport,
     )
     ctx = mp.get_context("spawn")
-    ready, go, done = ctx.Event(), ctx.Event(), ctx.Event()
+    ready, go, done, release = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     shared_bytes = ctx.Value("q", 0)
     # Durable, or sharing memory-backed segments: reach the steady state of segment reuse first.
     cycled = durable or transport == "same-host"
@@ -400,7 +416,19 @@ def bench_sluice(
     same_host = TRANSPORTS[transport]
     producer = ctx.Process(
         target=_producer_main,
-        args=(fleet.cfg.endpoints, same_host, size, total, batch, ready, go, done, shared_bytes),
+        args=(
+            fleet.cfg.endpoints,
+            same_host,
+            size,
+            total,
+            batch,
+            window,
+            ready,
+            go,
+            done,
+            shared_bytes,
+            release,
+        ),
     )
     producer.start()
     try:
@@ -412,6 +440,7 @@ def bench_sluice(
             go.set()
             idle_since = time.monotonic()
             meter, t0, counted_from = None, 0.0, 0
+            used = None
             while got < total:
                 if meter is None and got >= warm:
                     meter, t0, counted_from = (
@@ -419,18 +448,24 @@ def bench_sluice(
                         time.perf_counter(),
                         got,
                     )
-                leased = client.get(2 * batch, wait_ms=200)
+                # (the batch used up is ACKed with the next GET: one round trip for both)
+                leased = client.get(2 * batch, wait_ms=200, ack=used if ack_with_get else None)
+                if used is not None and not ack_with_get:
+                    client.ack(used)
+                used = None
                 if leased.trajs:
                     got += len(leased.trajs)
                     if reads:
                         for t in leased.trajs:
                             xxhash.xxh3_64_intdigest(t.arrays["x"])
-                    client.ack(leased)
+                    used = leased
                     idle_since = time.monotonic()
                 elif time.monotonic() - idle_since > 60:
                     raise TimeoutError(f"sluice: no data for 60 s after {got}/{total}")
+            client.ack(used)
             seconds = time.perf_counter() - t0
             each = meter.each()
+            release.set()
             cpu = sum(each)
             n = got - counted_from
             shared_got = client.shared_get_trajs
@@ -443,6 +478,7 @@ def bench_sluice(
             roles = {"consumer": each[0] / gb, "producer": each[1] / gb, "shards": sum(each[2:]) / gb}
         producer.join(timeout=60)
     finally:
+        release.set()
         if producer.is_alive():
             producer.kill()
         fleet.close()
@@ -628,7 +664,18 @@ def main() -> None:
     ap.add_argument("--shards", default="1,4", help="comma-separated shard counts")
     ap.add_argument("--fsync", default="none", choices=["always", "interval", "none"])
     ap.add_argument("--transports", default="zmq,same-host", help=f"comma-separated, of {list(TRANSPORTS)}")
-    ap.add_argument("--mb-per-case", type=int, default=512, help="payload volume per measurement")
+    ap.add_argument(
+        "--mb-per-case",
+        type=int,
+        default=2048,
+        help="payload volume per measurement (256KB: ~1-2 s timed on this class of machine)",
+    )
+    ap.add_argument(
+        "--put-window", type=int, default=2, help="sluice: PUT messages in flight (1: wait for each)"
+    )
+    ap.add_argument(
+        "--separate-ack", action="store_true", help="sluice: ACK each batch on its own, not with the next GET"
+    )
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray queue baseline")
     ap.add_argument(
         "--extra-256kb",
@@ -649,6 +696,7 @@ def main() -> None:
     transports = args.transports.split(",")
     if unknown := set(transports) - set(TRANSPORTS):
         ap.error(f"--transports: unknown {sorted(unknown)}, choose from {list(TRANSPORTS)}")
+    opts = {"window": args.put_window, "ack_with_get": not args.separate_ack}
     budget = args.mb_per_case * MB
     lo, hi = 200, 20000
     ray_budget = min(budget, 128 * MB)
@@ -664,6 +712,8 @@ def main() -> None:
         "loadavg_start": os.getloadavg(),
         "python": platform.python_version(),
         "zmq": zmq.zmq_version(),
+        "put_window": args.put_window,
+        "ack_with_get": not args.separate_ack,
     }
     ray = None if args.no_ray else RayBaseline()
     try:
@@ -678,13 +728,17 @@ def main() -> None:
                     runs.append(ray.run(size, count_for(size, ray_budget, lo // 2, hi // 4)))
                 for shards in shard_counts:
                     for transport in transports:
-                        runs.append(bench_sluice(shards, size, n, args.fsync, transport=transport))
+                        runs.append(bench_sluice(shards, size, n, args.fsync, transport=transport, **opts))
                         progress(console, runs[-1])
                 if args.extra_256kb and size == 256 * KB:
                     for transport in transports:
-                        runs.append(bench_sluice(1, size, n, "interval", transport=transport))
-                        runs.append(bench_sluice(1, size, n, "none", durable=False, transport=transport))
-                        runs.append(bench_sluice(1, size, n, args.fsync, transport=transport, reads=True))
+                        runs.append(bench_sluice(1, size, n, "interval", transport=transport, **opts))
+                        runs.append(
+                            bench_sluice(1, size, n, "none", durable=False, transport=transport, **opts)
+                        )
+                        runs.append(
+                            bench_sluice(1, size, n, args.fsync, transport=transport, reads=True, **opts)
+                        )
             results.cases += medians(runs)
     finally:
         if ray is not None:

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -93,6 +93,7 @@ __all__ = [
     "PriorityResult",
     "PutAborted",
     "PutBatcher",
+    "PutPipeline",
     "ReplayBatch",
     "SampleRef",
     "ShardUnavailable",
@@ -128,6 +129,7 @@ class LeasedBatch:
     trajs: list[Trajectory] = field(default_factory=list)
     leases: list[tuple[int, str]] = field(default_factory=list)  # (shard, lease_id)
     dropped_stale: int = 0
+    acked: int = 0  # trajectories the `get(ack=...)` that returned this batch ACKed
 
     def extend(self, other: LeasedBatch) -> None:
         self.trajs.extend(other.trajs)
@@ -250,43 +252,60 @@ class BufferClient:
         shards (see the module docstring). Returns the summed accepted/duplicates counts.
         If it raises, groups on other shards may have been stored: calling `put` again with the
         same trajectories is safe (they are deduped, and pinned to where they may have gone)."""
-        todo = self._out_groups(trajs)
         total = PutReply(proto=PROTO_VERSION, id=0)
+        self._put_groups(self._out_groups(trajs), total)
+        return total
+
+    def _put_groups(self, todo: list[_OutGroup], total: PutReply) -> None:
+        """Send `todo` and retry what fails until every group is stored (or give up: raise)."""
         give_up = time.monotonic() + self.put_give_up_s
         while todo:
             sent = self._send_puts(self._plan_messages(todo))
             wait_all([call for _, call in sent], self.links)
-            todo, wait_s, last_error = [], 0.0, None
-            for groups, call in sent:
-                if call.error is None:
-                    total.accepted += call.reply.accepted
-                    total.duplicates += call.reply.duplicates
-                    for g in groups:
-                        self._pin(g)
-                    if call.reply.next_region is not None and call.peer is call.link.peer:
-                        call.peer.keep_spare(call.reply.next_region, time.monotonic())
-                    continue
-                last_error = call.error
-                todo.extend(groups)
-                if _refused_region(call):  # (a bug, somewhere): the same PUT with frames
-                    log.warning("%s: %s; sending it as frames", call.link.name, call.error)
-                    for g in groups:
-                        g.frames_only = True
-                elif isinstance(call.error, BufferError) and call.error.code == "FULL":
-                    wait_s = max(wait_s, call.error.retry_after_ms / 1000.0)
-                elif isinstance(call.error, Lost):
-                    for g in groups:
-                        self._pin(g)
-                    wait_s = max(wait_s, self._retry_delay(groups))
-                elif isinstance(call.error, NotSent) or (
-                    isinstance(call.error, BufferError) and call.error.code == "UNAVAILABLE"
-                ):
-                    wait_s = max(wait_s, self._retry_delay(groups))
-                else:
-                    raise call.error  # a request the shard will never take (BAD_HEADER, TOO_LARGE...)
+            todo, wait_s, last_error = self._harvest(sent, total)
             if todo:
                 self._wait_before_retry(wait_s, give_up, last_error, full=_is_full(last_error))
-        return total
+
+    def _harvest(
+        self, sent: Sequence[tuple[list[_OutGroup], Call]], total: PutReply
+    ) -> tuple[list[_OutGroup], float, BaseException | None]:
+        """Account for finished PUTs: add what they stored to `total`, keep the regions their
+        shards reserved for our next PUTs. Returns the groups to send again, how long to wait
+        first, and the last error; raises errors no retry can fix."""
+        todo: list[_OutGroup] = []
+        wait_s, last_error = 0.0, None
+        for groups, call in sent:
+            if call.error is None:
+                total.accepted += call.reply.accepted
+                total.duplicates += call.reply.duplicates
+                for g in groups:
+                    self._pin(g)
+                if call.reply.next_region is not None and call.peer is call.link.peer:
+                    call.peer.keep_spare(call.reply.next_region, time.monotonic())
+                continue
+            last_error = call.error
+            todo.extend(groups)
+            if _refused_region(call):  # (a bug, somewhere): the same PUT with frames
+                log.warning("%s: %s; sending it as frames", call.link.name, call.error)
+                for g in groups:
+                    g.frames_only = True
+            elif isinstance(call.error, BufferError) and call.error.code == "FULL":
+                wait_s = max(wait_s, call.error.retry_after_ms / 1000.0)
+            elif isinstance(call.error, Lost):
+                for g in groups:
+                    self._pin(g)
+                wait_s = max(wait_s, self._retry_delay(groups))
+            elif isinstance(call.error, NotSent) or (
+                isinstance(call.error, BufferError) and call.error.code == "UNAVAILABLE"
+            ):
+                wait_s = max(wait_s, self._retry_delay(groups))
+            else:
+                raise call.error  # a request the shard will never take (BAD_HEADER, TOO_LARGE...)
+        return todo, wait_s, last_error
+
+    def pipeline(self, window: int = 2) -> PutPipeline:
+        """PUTs that do not wait for their replies, up to `window` in flight (see PutPipeline)."""
+        return PutPipeline(self, window)
 
     def batcher(self, max_trajs: int = 256, max_bytes: int = 4 << 20, linger_s: float = 0.05) -> PutBatcher:
         """Collects small PUTs into larger ones (see PutBatcher)."""
@@ -373,7 +392,7 @@ class BufferClient:
         frames. A same-host message goes at once into the region its shard reserved with our
         last PUT (`spare`), or after a RESERVE (sent for all such messages at once, their
         checksums computed while the replies come)."""
-        sent, reserving, ready = [], [], []
+        sent, reserving, ready, releases = [], [], [], []
         now = time.monotonic()
         for groups in messages:
             link = self.links[groups[0].shard]
@@ -383,17 +402,15 @@ class BufferClient:
                 sent.append((groups, self._send_put(groups)))
                 continue
             payload = RegionPayload([w for g in groups for w in g.wire])
+            peer.note_put_bytes(payload.nbytes)
             spare, release = peer.spare_for(payload.nbytes, now)
+            releases += [self._release_call(link, peer, region) for region in release]
             if spare is not None:
                 ready.append((groups, peer, spare.region, spare.segment, spare.offset, payload))
                 continue
             call = Call(
                 ReserveRequest(
-                    proto=PROTO_VERSION,
-                    id=link.next_id(),
-                    nbytes=payload.nbytes,
-                    token=peer.token,
-                    release=release,
+                    proto=PROTO_VERSION, id=link.next_id(), nbytes=payload.nbytes, token=peer.token
                 ),
                 timeout_s=self.timeout_s,
                 peer=peer,
@@ -405,12 +422,24 @@ class BufferClient:
             sent.append((groups, self._put_region(groups, *at, payload)))
         for _, _, payload in reserving:
             payload.checksum  # noqa: B018 - (computed while the RESERVE replies are on their way)
-        if reserving:
-            wait_all([call for _, call, _ in reserving], self.links)
+        if reserving or releases:
+            wait_all([call for _, call, _ in reserving] + releases, self.links)
             sent += [
                 (groups, self._after_reserve(groups, call, payload)) for groups, call, payload in reserving
             ]
         return sent
+
+    def _release_call(self, link: ShardLink, peer, region: int, timeout_s: float | None = None) -> Call:
+        """Give back a region the shard reserved for us that we will not use (its outcome does
+        not matter: an unreleased region expires; see `_release_spares`)."""
+        call = Call(
+            ReserveRequest(
+                proto=PROTO_VERSION, id=link.next_id(), nbytes=0, token=peer.token, release=region
+            ),
+            timeout_s=timeout_s or self.timeout_s,
+        )
+        link.send(call)
+        return call
 
     def _worth_sharing(self, link: ShardLink, groups: list[_OutGroup]) -> bool:
         least = self.same_host_min_put_bytes
@@ -453,7 +482,7 @@ class BufferClient:
             trajs=[m for g in groups for m in g.metas],
             region=region,
             region_checksum=payload.checksum,
-            reserve_next=payload.nbytes,
+            reserve_next=peer.next_put_bytes(),
         )
         call = Call(header, (), self.timeout_s, peer=peer)
         link.send(call)
@@ -489,30 +518,74 @@ class BufferClient:
     # -- consumer side: fifo -------------------------------------------------------------------
 
     def get(
-        self, max_trajs: int, *, min_version: int = 0, policy_id: str = "default", wait_ms: int = 0
+        self,
+        max_trajs: int,
+        *,
+        min_version: int = 0,
+        policy_id: str = "default",
+        wait_ms: int = 0,
+        ack: LeasedBatch | None = None,
     ) -> LeasedBatch:
         """Lease up to `max_trajs` trajectories (whole groups; at least one group if any is
         available, even if larger). Waits up to `wait_ms` only when every live shard is empty
-        (or none is up)."""
+        (or none is up).
+
+        `ack`: a batch used up, ACKed first, as `ack(batch)` would: its leases ride on the GETs
+        to their shards (one round trip for both), the others go as ACKs. Its count is the
+        returned batch's `acked`. If an ACK fails (raises as `ack` does), what this call leased
+        is NACKed (given back) before it raises."""
         batch = LeasedBatch()
         deadline = time.monotonic() + wait_ms / 1000.0
-        while True:
-            links = self._read_order()
-            for link in links:
-                remaining = max_trajs - len(batch.trajs)
-                if remaining <= 0:
-                    break
-                call = self._get_call(link, remaining, min_version, policy_id, 0)
-                wait_all([call], self.links)
-                self._take_lease(batch, call)
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if batch.trajs or left_ms <= 0:
-                return batch
-            connected = [link for link in links if link.connected]
-            if connected:
-                self._long_poll(connected, max_trajs, min_version, policy_id, left_ms, batch)
-            else:
-                time.sleep(min(left_ms / 1000.0, self._time_to_next_probe()))
+        to_ack: dict[int, list[str]] = {}
+        for shard, lease_id in ack.leases if ack is not None else ():
+            to_ack.setdefault(shard, []).append(lease_id)
+        carried: list[tuple[Call, list[str]]] = []
+        try:
+            while True:
+                links = self._read_order()
+                for link in links:
+                    remaining = max_trajs - len(batch.trajs)
+                    if remaining <= 0:
+                        break
+                    acks = to_ack.pop(link.index, [])
+                    call = self._get_call(link, remaining, min_version, policy_id, 0, acks)
+                    wait_all([call], self.links)
+                    if acks:
+                        carried.append((call, acks))
+                        if call.error is not None:
+                            continue  # (settled below, by ACKs)
+                        batch.acked += call.reply.acked
+                    self._take_lease(batch, call)
+                if to_ack or carried:
+                    self._settle_carried(batch, to_ack, carried)
+                    to_ack, carried = {}, []
+                left_ms = int((deadline - time.monotonic()) * 1000)
+                if batch.trajs or left_ms <= 0:
+                    return batch
+                connected = [link for link in links if link.connected]
+                if connected:
+                    self._long_poll(connected, max_trajs, min_version, policy_id, left_ms, batch)
+                else:
+                    time.sleep(min(left_ms / 1000.0, self._time_to_next_probe()))
+        except BaseException:
+            if batch.leases:
+                try:
+                    self._settle(batch, NackRequest)
+                except Exception as e:  # noqa: BLE001 - the first error is the one to raise
+                    log.warning("could not give back %d leases: %s", len(batch.leases), e)
+            raise
+
+    def _settle_carried(
+        self, batch: LeasedBatch, to_ack: dict[int, list[str]], carried: list[tuple[Call, list[str]]]
+    ) -> None:
+        """ACK what no GET carried, and again what a GET that failed carried (ACK is idempotent:
+        a lease the lost GET did ACK answers `replayed`, with its count)."""
+        leases = [(shard, lease_id) for shard, ids in to_ack.items() for lease_id in ids]
+        for call, acks in carried:
+            if call.error is not None:
+                leases += [(call.link.index, lease_id) for lease_id in acks]
+        if leases:
+            batch.acked += self._settle(LeasedBatch(leases=leases), AckRequest)
 
     def _long_poll(
         self,
@@ -561,7 +634,13 @@ class BufferClient:
         batch.dropped_stale += extra.dropped_stale
 
     def _get_call(
-        self, link: ShardLink, max_trajs: int, min_version: int, policy_id: str, wait_ms: int
+        self,
+        link: ShardLink,
+        max_trajs: int,
+        min_version: int,
+        policy_id: str,
+        wait_ms: int,
+        ack: Sequence[str] = (),
     ) -> Call:
         link.pump_events()
         header = GetRequest(
@@ -572,6 +651,7 @@ class BufferClient:
             policy_id=policy_id,
             wait_ms=wait_ms,
             token=link.peer.token if link.peer is not None else "",
+            ack=list(ack),
         )
         call = Call(header, timeout_s=self.timeout_s + wait_ms / 1000.0, peer=link.peer)
         link.send(call)
@@ -849,17 +929,8 @@ class BufferClient:
         calls = []
         for link in self.links:
             peer = link.peer
-            if peer is None or peer.spare is None:
-                continue
-            region, peer.spare = peer.spare.region, None
-            call = Call(
-                ReserveRequest(
-                    proto=PROTO_VERSION, id=link.next_id(), nbytes=0, token=peer.token, release=region
-                ),
-                timeout_s=0.5,
-            )
-            link.send(call)
-            calls.append(call)
+            if peer is not None:
+                calls += [self._release_call(link, peer, r, timeout_s=0.5) for r in peer.take_spares()]
         if calls:
             wait_all(calls, self.links)
 
@@ -882,6 +953,66 @@ def _refused_region(call: Call) -> bool:
 
 def _is_full(error: BaseException | None) -> bool:
     return isinstance(error, BufferError) and error.code == "FULL"
+
+
+class PutPipeline:
+    """PUTs that do not wait for their replies: `put` sends and returns while up to `window`
+    PUT messages are in flight (it waits for the oldest beyond that), so a producer prepares
+    (same host: writes) its next PUT while the shard checks and logs the last one. Every reply
+    is still awaited: those of PUTs that fail are sent again (as `BufferClient.put` does:
+    FULL, a down shard, a lost reply; pinned where they may have gone), synchronously.
+
+    A trajectory is acknowledged by the buffer only once the PUT carrying it was answered:
+    what a `put` call returns counts the PUTs answered during it (maybe earlier calls'), and
+    `flush()` (or leaving the `with` block) waits for every one. If the producer dies before,
+    PUTs not yet answered may or may not be stored (a resend is deduped). Not thread-safe;
+    flush before closing the client."""
+
+    def __init__(self, client: BufferClient, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window={window} must be >= 1")
+        self.client = client
+        self.window = window
+        self.in_flight: deque[tuple[list[_OutGroup], Call]] = deque()
+
+    def put(self, trajs: Sequence[Trajectory]) -> PutReply:
+        """Send `trajs`; return once at most `window` PUT messages are unanswered, with the
+        counts of those answered meanwhile."""
+        client = self.client
+        total = PutReply(proto=PROTO_VERSION, id=0)
+        self._settle_done(total)
+        self.in_flight.extend(client._send_puts(client._plan_messages(client._out_groups(trajs))))
+        self._settle(total, keep=self.window)
+        return total
+
+    def flush(self) -> PutReply:
+        """Wait until every PUT sent is answered (and, if it failed, stored by a retry)."""
+        total = PutReply(proto=PROTO_VERSION, id=0)
+        self._settle(total, keep=0)
+        return total
+
+    def _settle(self, total: PutReply, keep: int) -> None:
+        while len(self.in_flight) > keep:
+            wait_all([self.in_flight[0][1]], self.client.links)
+            self._settle_done(total)
+
+    def _settle_done(self, total: PutReply) -> None:
+        """Account for the finished PUTs (in any order); retry the failed ones to the end."""
+        done = [sent for sent in self.in_flight if sent[1].done]
+        if not done:
+            return
+        self.in_flight = deque(sent for sent in self.in_flight if not sent[1].done)
+        retries = [self.client._harvest([sent], total)[0] for sent in done]
+        for retry in retries:  # (each as it was sent: together they might not fit the shard)
+            if retry:
+                self.client._put_groups(retry, total)
+
+    def __enter__(self) -> PutPipeline:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.flush()
 
 
 class PutBatcher:

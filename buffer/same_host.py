@@ -21,7 +21,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -147,8 +147,11 @@ class SameHostPeer:
         self.reserve_timeout_s = reserve_timeout_s
         self.maps = SegmentMaps(shared_dir, keep=8)
         self._fds: OrderedDict[int, int] = OrderedDict()
-        self.spare: Region | None = None  # reserved for our next PUT (asked with the last one)
-        self.spare_until = 0.0
+        # Regions the shard reserved for our next PUTs (each asked with an earlier PUT), oldest
+        # first, each with the time after which we no longer use it. Several when PUTs are
+        # pipelined: each reply brings the region for a PUT one window later.
+        self.spares: deque[tuple[Region, float]] = deque()
+        self._recent_puts: deque[int] = deque(maxlen=8)
 
     @classmethod
     def open(cls, reply: HelloReply) -> SameHostPeer | None:
@@ -168,19 +171,35 @@ class SameHostPeer:
 
     # -- producer ------------------------------------------------------------------------------
 
-    def spare_for(self, nbytes: int, now: float) -> tuple[Region | None, int]:
-        """(the spare region, if it can take `nbytes` now, else None; a spare region to
-        release, else 0). Either way the spare is ours no more."""
-        spare, self.spare = self.spare, None
-        if spare is None:
-            return None, 0
-        if spare.nbytes >= nbytes and now < self.spare_until:
-            return spare, 0
-        return None, spare.region
+    def spare_for(self, nbytes: int, now: float) -> tuple[Region | None, list[int]]:
+        """(the oldest spare region, if it can take `nbytes` now, else None; the spare regions
+        to release: those too small or too old, passed over). A returned region is ours no more."""
+        release = []
+        while self.spares:
+            spare, until = self.spares.popleft()
+            if spare.nbytes >= nbytes and now < until:
+                return spare, release
+            release.append(spare.region)
+        return None, release
 
     def keep_spare(self, region: Region, now: float) -> None:
-        """A region the shard reserved for our next PUT; used only well within its timeout."""
-        self.spare, self.spare_until = region, now + self.reserve_timeout_s / 2
+        """A region the shard reserved for a later PUT; used only well within its timeout."""
+        self.spares.append((region, now + self.reserve_timeout_s / 2))
+
+    def note_put_bytes(self, nbytes: int) -> None:
+        """The size of a region PUT is about to fill (sizes next_put_bytes)."""
+        self._recent_puts.append(nbytes)
+
+    def next_put_bytes(self) -> int:
+        """The region to ask for our next PUT: the largest of our last few, so that a PUT a bit
+        larger than the one before (groups spread over shards vary) still fits its spare."""
+        return max(self._recent_puts, default=0)
+
+    def take_spares(self) -> list[int]:
+        """Every spare region, to release (the client is closing)."""
+        regions = [r.region for r, _ in self.spares]
+        self.spares.clear()
+        return regions
 
     def write(self, segment: int, offset: int, payload: RegionPayload) -> None:
         """Write a PUT's arrays into its region. Raises OSError."""

@@ -162,6 +162,9 @@ class ExperienceLog(ABC):
     def claim(self, region: int, owner: bytes) -> Reservation:
         raise NoSuchRegion(region)
 
+    def fits_region(self, nbytes: int) -> bool:
+        return False
+
     def region_bytes(self, res: Reservation) -> memoryview:
         raise LogWriteError("this shard keeps no segment files")
 
@@ -417,9 +420,13 @@ class SegmentLog(ExperienceLog):
                 self._move(t, (segment, at))
                 at += t.nbytes
 
+    def fits_region(self, nbytes: int) -> bool:
+        """A region of `nbytes` fits the active segment: reserving it would not roll the log."""
+        return self.active_bytes == 0 or self.active_bytes + nbytes + 256 <= self.cfg.segment_bytes
+
     def reserve(self, nbytes: int, owner: bytes, now: float) -> Reservation:
         """Space for a same-host producer's PUT in the active segment (a REGION record)."""
-        if self.active_bytes > 0 and self.active_bytes + nbytes + 256 > self.cfg.segment_bytes:
+        if not self.fits_region(nbytes):
             self._roll()  # start the region in a fresh segment rather than overfill this one
         head, data_at = encode_region(nbytes, self.active_bytes, seed=self.active)
         self._write(head, data_at + nbytes - self.active_bytes)
@@ -504,9 +511,17 @@ class SegmentLog(ExperienceLog):
         segment, payload_at = self.active, self.active_bytes + PREFIX.size + len(buffers[1])
         self._write(buffers, length)
         self.counters["log_records"] += 1
-        if roll and self.active_bytes >= self.cfg.segment_bytes:
+        if roll and self.active_bytes >= self.cfg.segment_bytes and not self._defer_roll():
             self._roll()
         return segment, payload_at
+
+    def _defer_roll(self) -> bool:
+        """Keep writing (small records) past segment_bytes while a region of the active segment
+        is reserved and not yet PUT: rolling now would make its PUT copy it (see `reserve`).
+        The next RESERVE that does not fit rolls (or, at twice the size, the next record)."""
+        if self.active_bytes >= 2 * self.cfg.segment_bytes:
+            return False
+        return any(r.segment == self.active for r in self.reservations.values())
 
     def _write(self, buffers, length: int) -> None:
         """Write at the end of the active segment and count `length` bytes as taken (a region

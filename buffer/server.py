@@ -99,6 +99,7 @@ class ParkedGet:
     envelope: Envelope
     request: GetRequest
     deadline: float
+    acked: int = 0  # what the request's `ack` deleted (told in its reply)
 
 
 class ShardServer:
@@ -183,7 +184,7 @@ class ShardServer:
         if expired:
             self.parked = [p for p in self.parked if p.deadline > now]
             for p in expired:
-                self._reply(p.envelope, GetReply(proto=PROTO_VERSION, id=p.request.id))
+                self._reply(p.envelope, GetReply(proto=PROTO_VERSION, id=p.request.id, acked=p.acked))
         self.log.tick(time.monotonic(), self.store.held_bytes, self._snapshot)
         if self.metrics is not None and now - self._last_metrics > 0.5:
             self._last_metrics = now
@@ -338,9 +339,14 @@ class ShardServer:
 
     def _reserve_next(self, envelope: Envelope, req: PutRequest) -> Region | None:
         """The space a same-host PUT asked for its producer's next PUT, if it may have it now
-        (otherwise its next PUT simply sends RESERVE)."""
+        (otherwise its next PUT simply sends RESERVE). Never where it would roll the log: the
+        producer may have PUTs in flight whose regions lie in the active segment (pipelined),
+        and rolling before they arrive would make the shard copy them; its RESERVE comes after
+        them on the same connection."""
         nbytes = req.reserve_next
         if nbytes <= 0 or nbytes > min(self.cfg.max_message_bytes, self.cfg.capacity_bytes):
+            return None
+        if not self.log.fits_region(nbytes):
             return None
         if self._reserve_refusal(nbytes):
             return None
@@ -428,16 +434,20 @@ class ShardServer:
             self._serve_parked(now)
 
     def _on_ack(self, envelope: Envelope, req: AckRequest) -> None:
+        count, replayed = self._ack(req.lease_id)
+        self._reply(envelope, AckReply(proto=PROTO_VERSION, id=req.id, count=count, replayed=replayed))
+
+    def _ack(self, lease_id: str) -> tuple[int, bool]:
+        """Delete a lease's groups (logged first). (trajectories, whether it had been ACKed
+        before: a resend whose first reply was lost). Raises UNKNOWN_LEASE."""
         store = self._fifo("ACK")
-        if req.lease_id in store.settled:  # a resend whose first reply was lost
-            count = store.settled[req.lease_id]
-            self._reply(envelope, AckReply(proto=PROTO_VERSION, id=req.id, count=count, replayed=True))
-            return
-        lease = self._settle(req.lease_id, store.lease)
+        if lease_id in store.settled:
+            return store.settled[lease_id], True
+        lease = self._settle(lease_id, store.lease)
         self.log.append_ack(lease.lease_id, [g.seq for g in lease.groups])
         count = store.ack(lease.lease_id)
         self.log.pins.release_lease(lease.lease_id)
-        self._reply(envelope, AckReply(proto=PROTO_VERSION, id=req.id, count=count))
+        return count, False
 
     def _on_priority(self, envelope: Envelope, req: PriorityRequest) -> None:
         store = self._replay("PRIORITY")
@@ -461,17 +471,27 @@ class ShardServer:
             )
         if req.wait_ms < 0:
             raise codec.ProtocolError("BAD_HEADER", f"wait_ms={req.wait_ms} must be >= 0")
-        if not self._try_get(envelope, req, now, reply_empty=req.wait_ms == 0):
-            self.parked.append(ParkedGet(envelope, req, now + req.wait_ms / 1000.0))
+        if len(req.ack) > self.cfg.max_batch:
+            raise codec.ProtocolError(
+                "TOO_LARGE", f"ack: {len(req.ack)} leases > max_batch {self.cfg.max_batch}"
+            )
+        acked = sum(self._ack(lease_id)[0] for lease_id in req.ack)
+        if not self._try_get(envelope, req, now, reply_empty=req.wait_ms == 0, acked=acked):
+            self.parked.append(ParkedGet(envelope, req, now + req.wait_ms / 1000.0, acked))
 
-    def _try_get(self, envelope: Envelope, req: GetRequest, now: float, reply_empty: bool) -> bool:
+    def _try_get(
+        self, envelope: Envelope, req: GetRequest, now: float, reply_empty: bool, acked: int = 0
+    ) -> bool:
+        """Lease for `req` and reply; or, if nothing is ready and not `reply_empty`, False (the
+        caller parks it). `acked`: what the request's `ack` deleted (told in the reply)."""
         store = self._fifo("GET")
         lease, dropped = store.get(req.max_trajs, req.policy_id, req.min_version, now)
         self._log_drops()
         if lease is None and not reply_empty:
             return False
         if lease is None:
-            self._reply(envelope, GetReply(proto=PROTO_VERSION, id=req.id, dropped_stale=dropped))
+            reply = GetReply(proto=PROTO_VERSION, id=req.id, dropped_stale=dropped, acked=acked)
+            self._reply(envelope, reply)
             return True
         by_ref = bool(req.token) and req.token == self.token
         refs, frames, segments = self._payload(lease.groups, by_ref)
@@ -483,6 +503,7 @@ class ShardServer:
             trajs=[m for g in lease.groups for m in g.metas],
             dropped_stale=dropped,
             refs=refs,
+            acked=acked,
         )
         self._reply(envelope, reply, frames)
         return True
@@ -516,7 +537,7 @@ class ShardServer:
         still = []
         for p in self.parked:
             if not store.has_ready(p.request.policy_id) or not self._try_get(
-                p.envelope, p.request, now, reply_empty=False
+                p.envelope, p.request, now, reply_empty=False, acked=p.acked
             ):
                 still.append(p)
         self.parked = still
@@ -525,7 +546,7 @@ class ShardServer:
         found = [p for p in self.parked if p.envelope == envelope and p.request.id == req.target]
         if found:
             self.parked = [p for p in self.parked if p not in found]
-            self._reply(envelope, GetReply(proto=PROTO_VERSION, id=req.target))
+            self._reply(envelope, GetReply(proto=PROTO_VERSION, id=req.target, acked=found[0].acked))
         self._reply(envelope, CancelReply(proto=PROTO_VERSION, id=req.id, cancelled=bool(found)))
 
     def _on_sample(self, envelope: Envelope, req: SampleRequest) -> None:

@@ -67,10 +67,14 @@ TRANSPORT_SETTINGS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", sorted(TRANSPORT_SETTINGS))
+@pytest.mark.parametrize(
+    ("transport", "pipelined"), [("shm", False), ("zmq", False), ("shm", True), ("zmq", True)]
+)
 def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
-    tmp_path, process_reaper, transport
+    tmp_path, process_reaper, transport, pipelined
 ):
+    """`pipelined`: the producer keeps PUTs in flight (PutPipeline: some are when the shard
+    dies) and the consumer ACKs each batch with its next GET."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     config = tmp_path / "config.yaml"
     buffer = {
@@ -88,29 +92,57 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
     failures: list[BaseException] = []
     shared = {"put_bytes": 0, "got": 0}  # what went through shared memory
     stop = threading.Event()
+    sent_count = [0]  # trajectories the producer sent (pipelined: not all answered yet)
 
     def produce() -> None:
         with BufferClient([endpoint], timeout_s=5, put_give_up_s=120) as client:
-            for i in range(N_GROUPS):
-                trajs = group(i)
-                client.put(trajs)  # retries across the crash; raises only when giving up
-                put_acked.extend(t.traj_id for t in trajs)
-                time.sleep(0.003)
+            if pipelined:
+                sent: list[str] = []
+                with client.pipeline(window=4) as pipe:
+                    for i in range(N_GROUPS):
+                        trajs = group(i)
+                        pipe.put(trajs)  # answered later; failures retried (pinned) until stored
+                        sent.extend(t.traj_id for t in trajs)
+                        sent_count[0] = len(sent)
+                        time.sleep(0.003)
+                put_acked.extend(sent)  # (the pipeline's flush: every PUT was answered)
+            else:
+                for i in range(N_GROUPS):
+                    trajs = group(i)
+                    client.put(trajs)  # retries across the crash; raises only when giving up
+                    put_acked.extend(t.traj_id for t in trajs)
+                    sent_count[0] = len(put_acked)
+                    time.sleep(0.003)
             shared["put_bytes"] = client.shared_put_bytes
 
     def consume() -> None:
         with BufferClient([endpoint], timeout_s=5) as client:
+            used = None  # (pipelined: the batch to ACK with the next GET)
             while not stop.is_set():
-                batch = client.get(8, wait_ms=200)
+                try:
+                    batch = client.get(8, wait_ms=200, ack=used)
+                except (BufferError, BufferTimeout):
+                    used = None  # the lease died with the shard: these come back, unacknowledged
+                    continue
+                if used is not None:
+                    delivered.extend(t.traj_id for t in used.trajs)
+                    used = None
                 if not batch.trajs:
                     continue
                 time.sleep(0.02)  # slower than the producer: a backlog builds up
+                if pipelined:
+                    used = batch
+                    continue
                 try:
                     client.ack(batch)
                 except (BufferError, BufferTimeout):
                     continue  # the lease died with the shard: these come back, unacknowledged
                 delivered.extend(t.traj_id for t in batch.trajs)
                 shared["got"] = client.shared_get_trajs
+            if used is not None:
+                client.ack(used)
+                delivered.extend(t.traj_id for t in used.trajs)
+            shared["got"] = client.shared_get_trajs
 
     def guarded(fn):
         def run():
@@ -125,8 +157,8 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: len(put_acked) >= N_GROUPS * GROUP_SIZE // 3 and delivered, 120, "traffic")
-        assert len(put_acked) < N_GROUPS * GROUP_SIZE, "the stream ended before the kill"
+        wait_for(lambda: sent_count[0] >= N_GROUPS * GROUP_SIZE // 3 and delivered, 120, "traffic")
+        assert sent_count[0] < N_GROUPS * GROUP_SIZE, "the stream ended before the kill"
         os.kill(shard.pid, signal.SIGKILL)
         assert shard.wait(timeout=10) == -signal.SIGKILL
         time.sleep(0.5)  # both sides run into the dead shard meanwhile

@@ -141,6 +141,27 @@ def test_a_producer_needs_one_reservation_round_trip_not_one_per_put(shard_facto
         client.ack(batch)
 
 
+def test_a_same_host_pipeline_reserves_once_and_keeps_one_spare_per_put_in_flight(shard_factory, tmp_path):
+    """Each same-host PUT brings the region of a PUT one window later: after the first
+    `window` PUTs, none waits for a RESERVE (segment rolls aside), and no region is copied."""
+    shard = shard_factory(log_dir=tmp_path / "log", segment_bytes=8 << 20)
+    sent = [big_group(f"s{i}", nbytes=64 << 10)[0] for i in range(40)]
+    with BufferClient([shard.endpoint], timeout_s=10) as producer:
+        assert producer.ping()
+        with producer.pipeline(window=2) as pipe:
+            for t in sent:
+                pipe.put([t])
+        assert producer.shared_put_bytes == 40 * (64 << 10)
+        assert producer.reserve_requests <= 3
+        stats = producer.stats()[0].stats
+        assert stats["region_copies"] == 0 and stats["region_puts"] == 40
+    with BufferClient([shard.endpoint], timeout_s=10) as consumer:
+        batch = consumer.get(100)
+        assert_identical(batch.trajs, sent)
+        consumer.ack(batch)
+        assert consumer.stats()[0].stats["reservations"] == 0  # the producer gave its spares back
+
+
 def test_mixed_transports_interoperate(shard_factory, log_dir):
     """A ZeroMQ producer with a same-host consumer and the other way round."""
     shard = shard_factory(log_dir=log_dir)

@@ -88,6 +88,9 @@ class GetRequest(_Request, tag="GET"):
     policy_id: str = "default"  # W: learner. R: shard (which stream)
     wait_ms: int = 0  # W: learner. R: shard, how long to park the request when nothing is ready
     token: str = ""  # W: same-host client, the shard's token. R: shard (match: refs, not frames)
+    # W: learner, leases of this shard to ACK first (as ACK would; an unknown one fails the
+    # request with UNKNOWN_LEASE, those before it stay ACKed). R: shard
+    ack: list[str] = []
 
 
 class AckRequest(_Request, tag="ACK"):
@@ -184,6 +187,7 @@ class GetReply(_Reply, tag="GET"):
     trajs: list[TrajectoryMeta] = []  # payload frames follow, trajectory by trajectory
     dropped_stale: int = 0  # trajectories dropped by this GET for being older than min_version
     refs: list[TrajRef] = []  # one per traj when the request's token matched; else empty
+    acked: int = 0  # trajectories deleted by the request's `ack` leases
 
 
 class AckReply(_Reply, tag="ACK"):
