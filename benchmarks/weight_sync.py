@@ -167,6 +167,7 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
         master_port=free_port(),
         backend=args.backend,
         bucket_mb=args.bucket_mb,
+        piece_mb=args.piece_mb,
         dtype=args.dtype,
         pipeline_depth=args.pipeline_depth,
         timeout_s=300,
@@ -250,6 +251,7 @@ def produce_only(args: argparse.Namespace, model: RandomModel) -> list[float]:
     cfg = WeightSyncConfig(
         master_port=free_port(),
         bucket_mb=args.bucket_mb,
+        piece_mb=args.piece_mb,
         dtype=args.dtype,
         pipeline_depth=args.pipeline_depth,
     )
@@ -311,8 +313,9 @@ def main() -> int:
         help="auto: nccl on cuda, gloo on cpu; gloo with a cuda learner and cpu receivers fits one GPU",
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="wire dtype")
-    ap.add_argument("--bucket-mb", type=float, default=64.0)
-    ap.add_argument("--pipeline-depth", type=int, default=2)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="default: the config's")
+    ap.add_argument("--piece-mb", type=float, default=None, help="default: the config's")
+    ap.add_argument("--pipeline-depth", type=int, default=None, help="default: the config's")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "weight_sync.json")
     ap.add_argument("--role", default="learner", choices=["learner", "receiver"], help=argparse.SUPPRESS)
@@ -324,6 +327,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.role == "receiver":
         return receiver_main(args)
+    defaults = WeightSyncConfig()
+    for name in ("bucket_mb", "piece_mb", "pipeline_depth"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
 
     from rich.console import Console
     from rich.progress import Progress
@@ -350,7 +357,8 @@ def main() -> int:
     nbytes = n_params * itemsize
     console.print(
         f"{n_params / 1e9:.3f}B parameters, {nbytes / 1e9:.2f} GB on the wire ({args.dtype}), "
-        f"bucket {args.bucket_mb} MiB, pipeline depth {args.pipeline_depth}, device {args.device}, "
+        f"bucket {args.bucket_mb} MiB, piece {args.piece_mb} MiB, pipeline depth {args.pipeline_depth}, "
+        f"device {args.device}, "
         f"receivers on {args.receiver_device}, backend {resolve_backend(args.backend, device)}"
     )
     with console.status("timing the learner's own work per publish"):
@@ -396,6 +404,7 @@ def main() -> int:
         "bytes": nbytes,
         "dtype": args.dtype,
         "bucket_mb": args.bucket_mb,
+        "piece_mb": args.piece_mb,
         "pipeline_depth": args.pipeline_depth,
         "device": args.device,
         "receiver_device": args.receiver_device,

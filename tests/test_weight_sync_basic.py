@@ -9,11 +9,13 @@ import pytest
 import torch
 from weight_sync_env import SyncEnv, perturb, small_cfg, wait_version
 
+import weight_sync.broadcaster as broadcaster_module
 from rollout_svc.engines.hf import HFEngine
 from sluice.config.model import ModelConfig, TinyModelInit
 from sluice.control.client import ControlClient
 from sluice.modeling import load_policy, materialize_model_dir
 from weight_sync.broadcaster import WeightBroadcaster
+from weight_sync.checksums import ChecksumWorker
 
 
 @pytest.fixture
@@ -82,10 +84,12 @@ def test_weights_reach_hf_engines_bit_identical(tmp_path, env_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bucket_mb", [0.002, 0.004, 64.0])  # a bucket per tensor .. one bucket
-def test_bit_identical_for_dtypes_and_bucket_sizes(env_factory, dtype, bucket_mb):
+@pytest.mark.parametrize(  # a bucket per tensor .. one bucket; whole buckets .. tensors in pieces
+    ("bucket_mb", "piece_mb"), [(0.002, 64.0), (0.004, 0.001), (64.0, 0.003), (64.0, 64.0)]
+)
+def test_bit_identical_for_dtypes_and_bucket_sizes(env_factory, dtype, bucket_mb, piece_mb):
     model = tiny_model()
-    env = env_factory(small_cfg(bucket_mb=bucket_mb, dtype=dtype, pipeline_depth=2))
+    env = env_factory(small_cfg(bucket_mb=bucket_mb, piece_mb=piece_mb, dtype=dtype, pipeline_depth=2))
     receiver = env.receiver("rollout-0")
     env.wait_members(1)
     wire = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -100,24 +104,45 @@ def test_bit_identical_for_dtypes_and_bucket_sizes(env_factory, dtype, bucket_mb
     assert n_buckets == 1 if bucket_mb == 64.0 else n_buckets >= 2
 
 
+class SlowChecksums(ChecksumWorker):
+    """The learner's checksums reach the store well after the data (a loaded learner)."""
+
+    def _hash(self, *args) -> None:
+        time.sleep(0.2)
+        super()._hash(*args)
+
+
+def test_receivers_wait_for_checksums_that_follow_the_data(env_factory, monkeypatch):
+    monkeypatch.setattr(broadcaster_module, "ChecksumWorker", SlowChecksums)
+    model = tiny_model()
+    env = env_factory(small_cfg(bucket_mb=0.004, piece_mb=0.002))
+    receiver = env.receiver("rollout-0")
+    env.wait_members(1)
+    perturb(model)
+    stats = env.broadcaster.publish(1, model)
+    assert stats.delivered and stats.members == 1
+    assert_identical(wait_version(receiver, 1).tensors, expected(model, torch.float32))
+    assert receiver.refused_versions == 0 and receiver.failures == 0
+
+
 class CorruptingBroadcaster(WeightBroadcaster):
     """Flips one bit of bucket 1 on the wire after its checksum was taken, for chosen versions
     (what a bad link or a buggy copy would do). The snapshot stays intact."""
 
     corrupt_versions: set[int] = set()
 
-    def _send(self, version, layout, produce, base_version=-1):
+    def _send(self, version, layout, produce, *args, **kwargs):
         if version not in self.corrupt_versions:
-            return super()._send(version, layout, produce, base_version)
+            return super()._send(version, layout, produce, *args, **kwargs)
 
-        def corrupted(i, bucket):
-            flat, sums = produce(i, bucket)
-            if i == 1:
-                flat = flat.clone()
-                flat.view(torch.uint8)[3] ^= 0x10
-            return flat, sums
+        def corrupted(i, bucket, bounds):
+            for j, (wire, host) in enumerate(produce(i, bucket, bounds)):
+                if i == 1 and j == 0:
+                    wire = wire.clone()
+                    wire.view(torch.uint8)[3] ^= 0x10
+                yield wire, host
 
-        return super()._send(version, layout, corrupted, base_version)
+        return super()._send(version, layout, corrupted, *args, **kwargs)
 
 
 def test_corrupted_bucket_is_refused_and_old_weights_kept(env_factory):
@@ -234,11 +259,11 @@ class HookedBroadcaster(WeightBroadcaster):
 
     before_send = None
 
-    def _send(self, version, layout, produce, base_version=-1):
+    def _send(self, version, layout, produce, *args, **kwargs):
         if self.before_send is not None:
             hook, self.before_send = self.before_send, None
             hook()
-        return super()._send(version, layout, produce, base_version)
+        return super()._send(version, layout, produce, *args, **kwargs)
 
 
 def test_a_service_that_joined_after_the_epoch_formed_catches_up_by_pulling(env_factory):

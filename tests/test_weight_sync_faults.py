@@ -21,12 +21,12 @@ class SlowGatherBroadcaster(WeightBroadcaster):
     """Each bucket takes a while to gather (as from a big sharded model), so a receiver killed
     after the first bucket went out is certainly killed in the middle of the publish."""
 
-    def _send(self, version, layout, produce, base_version=-1):
-        def slow(i, bucket):
+    def _send(self, version, layout, produce, *args, **kwargs):
+        def slow(i, bucket, bounds):
             time.sleep(0.05)
-            return produce(i, bucket)
+            return produce(i, bucket, bounds)
 
-        return super()._send(version, layout, slow, base_version)
+        return super()._send(version, layout, slow, *args, **kwargs)
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ receivers write their epoch confirmations.
     ws/control               control-plane endpoint receivers JOIN at (when not configured)
     ws/ann/<seq>             Announcement (msgpack): epoch | weights | shutdown
     ws/ann/<seq>/sums        weights only: xxh3-64 of every tensor, little-endian uint64 in
-                             layout order, appended bucket by bucket BEFORE that bucket's data
+                             layout order, appended bucket by bucket: while or after the
+                             bucket's data goes out (receivers wait for them before verifying)
     ws/ep<e>/ready/<svc>     a candidate of epoch e confirms it is alive (value: incarnation)
     ws/ep<e>/commit          EpochCommit: the members of epoch e, in rank order
     ws/ep<e>/abort           the learner abandoned epoch e (a collective failed): members stop
@@ -77,6 +78,7 @@ class WeightsAnnouncement(msgspec.Struct, tag="weights", tag_field="kind", forbi
     version: int  # W: learner, policy version (optimizer steps). R: receivers, engines
     buckets: list[Bucket]  # W: learner, the layout. R: receivers allocate and unpack it
     base_version: int = -1  # W: learner. -1: every tensor follows; else a delta on top of it
+    piece_bytes: int = 0  # W: learner. R: receivers (layout.piece_bounds: one broadcast per piece)
 
 
 class ShutdownAnnouncement(msgspec.Struct, tag="shutdown", tag_field="kind", forbid_unknown_fields=True):

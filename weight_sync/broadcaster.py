@@ -7,10 +7,12 @@ Rules:
 - Before a publish, membership changes (JOIN, LEAVE, a failed member) form a new epoch: the
   candidates are announced, those that confirm within `ready_timeout_s` are committed, and a
   new group is built under the epoch's own store prefix. Dead candidates are left out.
-- A publish announces `(epoch, version, layout)` under `ws/ann/<seq>`, then for every bucket
-  appends its tensors' checksums to `ws/ann/<seq>/sums` and starts its broadcast; bucket i+1 is
-  gathered, packed (cast to the wire dtype) and checksummed while bucket i is on the wire, with
-  at most `pipeline_depth` buckets in flight.
+- A publish announces `(epoch, version, layout, piece size)` under `ws/ann/<seq>`, then
+  gathers bucket by bucket and sends piece by piece (a bucket is one piece unless a tensor
+  made it bigger than `bucket_mb`): a piece is cast straight from the source into the host
+  buffer, its broadcast started, and it is checksummed in a background thread while the next
+  piece is cast; a bucket's checksums are appended to `ws/ann/<seq>/sums` once its last
+  piece is hashed. At most `pipeline_depth` pieces are in flight.
 - Every published version is kept as a host snapshot: late joiners pull it, a delta is
   computed against it, and a publish whose collective failed is sent again from it over a
   rebuilt group (the learner writes `ws/ep<e>/abort` first, so receivers stuck in the failed
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -55,6 +57,7 @@ from weight_sync.announcements import (
     sums_key,
 )
 from weight_sync.buffers import BufferPool
+from weight_sync.checksums import ChecksumWorker
 from weight_sync.group import (
     BroadcastGroup,
     CollectiveError,
@@ -71,8 +74,8 @@ from weight_sync.layout import (
     empty_bucket,
     encode_checksums,
     pack_bucket,
+    piece_bounds,
     plan_buckets,
-    slot_checksums,
 )
 from weight_sync.membership import Candidate, Membership
 from weight_sync.metrics import BroadcastMetrics, PublishStats
@@ -82,8 +85,11 @@ from weight_sync.transfer_server import SnapshotServer
 
 log = logging.getLogger(__name__)
 
-# produce(i, bucket) -> (tensor to broadcast on the group's device, checksums of its tensors)
-Producer = Callable[[int, Bucket], tuple[torch.Tensor, list[int]]]
+# A piece of a bucket: (what to broadcast, on the group's device; its host copy, or None when
+# the bucket's checksums are known already)
+Piece = tuple[torch.Tensor, torch.Tensor | None]
+# produce(i, bucket, bounds) -> the bucket's pieces, in the order of `bounds` ([lo, hi) each)
+Producer = Callable[[int, Bucket, list[tuple[int, int]]], Iterator[Piece]]
 
 
 class MembershipHost(Protocol):
@@ -278,34 +284,31 @@ class WeightBroadcaster:
     def _build_snapshot(
         self, version: int, layout: list[Bucket], source: ParamSource, *, send: bool
     ) -> tuple[Snapshot, CollectiveError | None]:
-        """Gather and pack bucket by bucket into a host snapshot, broadcasting each bucket as
+        """Gather and pack bucket by bucket into a host snapshot, broadcasting each piece as
         soon as it is packed when `send` (and there is a group)."""
         flats: list[torch.Tensor] = []
-        sums: list[list[int]] = []
+        on_host = self.device.type == "cpu"
 
-        def produce(i: int, bucket: Bucket) -> tuple[torch.Tensor, list[int]]:
-            on_host = self.device.type == "cpu"
-            out = self._host_buffers.get(bucket) if on_host else empty_bucket(bucket, self.device)
-            with source.gather(bucket.names) as full:
-                packed = pack_bucket(bucket, full, out)
-            host = packed if on_host else self._host_buffers.get(bucket).copy_(packed)
+        def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
+            host = self._host_buffers.get(bucket)
+            out = host if on_host else empty_bucket(bucket, self.device)
             flats.append(host)
-            sums.append(slot_checksums(bucket, host))
-            return packed, sums[-1]
+            with source.gather(bucket.names) as full:
+                for lo, hi in bounds:
+                    pack_bucket(bucket, full, out, lo, hi)
+                    if not on_host:
+                        host[lo:hi].copy_(out[lo:hi])
+                    yield out[lo:hi], host[lo:hi]
 
-        if send:
-            error = self._send(version, layout, produce)
-        else:
-            error = None
-            for i, bucket in enumerate(layout):
-                produce(i, bucket)
+        error, sums = self._send(version, layout, produce, None, send=send)
         return Snapshot(version, layout, flats, sums), error
 
     def _send_full(self, snapshot: Snapshot) -> CollectiveError | None:
-        def produce(i: int, bucket: Bucket) -> tuple[torch.Tensor, list[int]]:
-            return snapshot.flats[i].to(self.device), snapshot.sums[i]
+        def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
+            for lo, hi in bounds:
+                yield snapshot.flats[i][lo:hi].to(self.device), None
 
-        return self._send(snapshot.version, snapshot.buckets, produce)
+        return self._send(snapshot.version, snapshot.buckets, produce, snapshot.sums)[0]
 
     def _send_delta(self, snapshot: Snapshot) -> tuple[CollectiveError | None, int, int]:
         """(error, bytes sent, tensors sent). Full when members may lack the base."""
@@ -317,25 +320,45 @@ class WeightBroadcaster:
             return None, 0, len(changed)  # nobody to send to; the snapshot is what counts
         specs = [TensorSpec(t.name, tuple(t.shape), TORCH_DTYPES[t.dtype]) for t in changed.values()]
         layout = plan_buckets(specs, int(self.cfg.bucket_mb * 2**20))
+        sums = [[changed[n].checksum for n in bucket.names] for bucket in layout]
 
-        def produce(i: int, bucket: Bucket) -> tuple[torch.Tensor, list[int]]:
+        def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
             packed = pack_bucket(bucket, {n: changed[n].data for n in bucket.names}, empty_bucket(bucket))
-            return packed.to(self.device), [changed[n].checksum for n in bucket.names]
+            for lo, hi in bounds:
+                yield packed[lo:hi].to(self.device), None
 
-        error = self._send(snapshot.version, layout, produce, base_version=base.version)
+        error, _ = self._send(snapshot.version, layout, produce, sums, base_version=base.version)
         return error, sum(b.nbytes for b in layout), len(changed)
 
     def _send(
-        self, version: int, layout: list[Bucket], produce: Producer, base_version: int = -1
-    ) -> CollectiveError | None:
-        """Announce, then produce and broadcast bucket by bucket, keeping up to
-        `pipeline_depth` broadcasts in flight. Every bucket is produced even after a failure
-        (learner ranks gather in lockstep, and the snapshot needs every bucket)."""
-        group = self.group
+        self,
+        version: int,
+        layout: list[Bucket],
+        produce: Producer,
+        sums: list[list[int]] | None,
+        base_version: int = -1,
+        *,
+        send: bool = True,
+    ) -> tuple[CollectiveError | None, list[list[int]]]:
+        """Announce, then produce and broadcast piece by piece, keeping up to
+        `pipeline_depth` broadcasts in flight. `sums`: the buckets' checksums when known
+        (appended before each bucket's data); None: each piece's host copy is checksummed in a
+        background thread while the next one is packed and the bucket's sums are appended once
+        its last piece is hashed (receivers wait for them before they verify). Every bucket is
+        produced even after a failure (learner ranks gather in lockstep, and the snapshot needs
+        every bucket). Returns (error, every bucket's checksums)."""
+        group = self.group if send else None
+        piece_bytes = max(1, int(self.cfg.piece_mb * 2**20))
         seq = -1
         if group is not None:
             seq = self.membership.next_seq()
-            self._announce(seq, WeightsAnnouncement(group.epoch, version, layout, base_version))
+            self._announce(seq, WeightsAnnouncement(group.epoch, version, layout, base_version, piece_bytes))
+        store = self.store
+
+        def append_sums(i: int, bucket_sums: list[int]) -> None:
+            store.append(sums_key(seq), encode_checksums(bucket_sums))
+
+        worker = None if sums is not None else ChecksumWorker(append_sums if group is not None else None)
         inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()
         error: CollectiveError | None = None
         liveness = _Liveness(self.store, group, self.cfg.liveness_timeout_s) if group else None
@@ -343,17 +366,27 @@ class WeightBroadcaster:
         def wait_oldest() -> None:
             wait_work(inflight.popleft()[0], self.cfg.publish_timeout_s, liveness, poll_s=0.25)
 
-        for i, bucket in enumerate(layout):
-            flat, sums = produce(i, bucket)
-            if group is None or error is not None:
-                continue
-            try:
-                self.store.append(sums_key(seq), encode_checksums(sums))  # before the data
-                inflight.append((group.broadcast_async(flat), flat))
-                while len(inflight) >= self.cfg.pipeline_depth:
-                    wait_oldest()
-            except CollectiveError as e:
-                error = e
+        try:
+            for i, bucket in enumerate(layout):
+                bounds = piece_bounds(bucket, piece_bytes)
+                if sums is not None and group is not None:
+                    append_sums(i, sums[i])  # known already: before the data
+                for (lo, _), (wire, host) in zip(bounds, produce(i, bucket, bounds), strict=True):
+                    if group is not None and error is None:
+                        try:
+                            inflight.append((group.broadcast_async(wire), wire))
+                        except CollectiveError as e:
+                            error = e
+                    if worker is not None:
+                        worker.add(i, bucket, host, lo)  # hashed while the next piece is packed
+                    while inflight and error is None and len(inflight) >= self.cfg.pipeline_depth:
+                        try:
+                            wait_oldest()
+                        except CollectiveError as e:
+                            error = e
+        finally:
+            if worker is not None:
+                sums = worker.finish()
         while inflight and error is None:
             try:
                 wait_oldest()
@@ -365,7 +398,7 @@ class WeightBroadcaster:
             if liveness is not None and liveness.silent and "heartbeat" not in str(error):
                 error = CollectiveError(f"{error}: no heartbeat from rank(s) {liveness.silent}")
             self._abandoned_works.append(list(inflight))  # released with the group, not here
-        return error
+        return error, sums
 
     def _await_reports(
         self, group: BroadcastGroup, version: int, liveness: _Liveness

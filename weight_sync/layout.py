@@ -105,14 +105,38 @@ def empty_bucket(bucket: Bucket, device: torch.device | str = "cpu") -> torch.Te
     return torch.empty(bucket.numel, dtype=TORCH_DTYPES[bucket.dtype], device=device)
 
 
-def pack_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """Copy the bucket's tensors into `out` (a flat tensor of the bucket's dtype), casting to
-    the bucket dtype on the way."""
+def piece_bounds(bucket: Bucket, piece_bytes: int) -> list[tuple[int, int]]:
+    """How a bucket goes over the wire: element ranges `[lo, hi)` in order, one broadcast
+    each. A bucket of at most `piece_bytes` (or `piece_bytes` 0) is one piece; a larger one
+    (a tensor bigger than a bucket, e.g. the embedding) is split into near-equal pieces, so
+    its first bytes are on the wire while the rest is still being cast."""
+    if piece_bytes <= 0 or bucket.nbytes <= piece_bytes:
+        return [(0, bucket.numel)]
+    n = min(-(-bucket.nbytes // piece_bytes), bucket.numel)  # never an empty piece
+    cuts = [bucket.numel * k // n for k in range(n + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def pack_bucket(
+    bucket: Bucket,
+    tensors: Mapping[str, torch.Tensor],
+    out: torch.Tensor,
+    lo: int = 0,
+    hi: int | None = None,
+) -> torch.Tensor:
+    """Copy the bucket's tensors (elements `[lo, hi)` of the bucket, default all) into `out`
+    (a flat tensor of the bucket's dtype), casting to the bucket dtype on the way: straight
+    from the source into the buffer, no intermediate."""
+    hi = bucket.numel if hi is None else hi
     for slot in bucket.slots:
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start >= end:
+            continue
         src = tensors[slot.name].detach()
         if src.numel() != slot.numel:
             raise ValueError(f"tensor {slot.name!r} has {src.numel()} elements, the layout says {slot.numel}")
-        out[slot.offset : slot.offset + slot.numel].copy_(src.reshape(-1))
+        src = src.reshape(-1)[start - slot.offset : end - slot.offset]
+        out[start:end].copy_(src)
     return out
 
 

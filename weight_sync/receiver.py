@@ -56,8 +56,9 @@ from weight_sync.announcements import (
     sums_key,
 )
 from weight_sync.buffers import BufferPool
-from weight_sync.group import BroadcastGroup, CollectiveError, make_group, wait_work
-from weight_sync.layout import decode_checksums, slot_checksums, unpack_bucket
+from weight_sync.checksums import SlotHasher
+from weight_sync.group import BroadcastGroup, CollectiveAborted, CollectiveError, make_group, wait_work
+from weight_sync.layout import decode_checksums, piece_bounds, unpack_bucket
 from weight_sync.transfer_client import TransferError, pull_snapshot
 
 log = logging.getLogger(__name__)
@@ -379,6 +380,28 @@ class WeightReceiver:
             time.sleep(_STORE_POLL_S)
         return True
 
+    def _wait_sums(self, seq: int, count: int, abandoned: Callable[[], bool]) -> list[int]:
+        """The first `count` checksums of announcement `seq`. The learner appends a bucket's
+        once it hashed it, while the data is on the wire: usually they are there already."""
+        key = sums_key(seq)
+        deadline = time.monotonic() + self.cfg.publish_timeout_s
+        next_check = time.monotonic() + _POLL_S
+        while True:
+            if self._store.check([key]):
+                sums = decode_checksums(self._store.get(key))
+                if len(sums) >= count:
+                    return sums
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _POLL_S
+                if abandoned():
+                    raise CollectiveAborted("abandoned while waiting for checksums")
+            if now >= deadline:
+                raise CollectiveError(
+                    f"checksums of announcement {seq} not written within {self.cfg.publish_timeout_s:.0f}s"
+                )
+            time.sleep(_STORE_POLL_S)
+
     def _abandoned(self, epoch: int, rank: int) -> Callable[[], bool]:
         """Polled while waiting in a collective: bump this member's heartbeat (the learner
         watches it), and give up if the learner abandoned the epoch or we are stopping."""
@@ -394,20 +417,32 @@ class WeightReceiver:
     def _receive(self, seq: int, ann: WeightsAnnouncement) -> None:
         group = self._group
         flats = [self._buffers.get(b) for b in ann.buckets]
+        pieces = [
+            (i, lo, flat[lo:hi])
+            for i, (bucket, flat) in enumerate(zip(ann.buckets, flats))
+            for lo, hi in piece_bounds(bucket, ann.piece_bytes)
+        ]
         works: list = []
         bad: list[str] = []
+        abandoned = self._abandoned(ann.epoch, group.rank)
         try:
-            works.extend(group.broadcast_async(f) for f in flats)
+            works.extend(group.broadcast_async(piece) for _, _, piece in pieces)
             sums: list[int] = []
             first = 0
-            for bucket, work, flat in zip(ann.buckets, works, flats):
-                wait_work(work, self.cfg.publish_timeout_s, self._abandoned(ann.epoch, group.rank), _POLL_S)
+            hasher: SlotHasher | None = None
+            for (i, lo, piece), work in zip(pieces, works):
+                wait_work(work, self.cfg.publish_timeout_s, abandoned, _POLL_S)
+                bucket = ann.buckets[i]
+                if lo == 0:
+                    hasher = SlotHasher(bucket)
+                # verified while the next pieces arrive
+                hasher.update(piece if piece.device.type == "cpu" else piece.cpu(), lo)
+                if not hasher.done:
+                    continue
                 end = first + len(bucket.slots)
-                if len(sums) < end:  # appended before the bucket's data: present by now
-                    sums = decode_checksums(self._store.get(sums_key(seq)))
-                host = flat if flat.device.type == "cpu" else flat.cpu()
-                got = slot_checksums(bucket, host)
-                bad += [s.name for s, g, e in zip(bucket.slots, got, sums[first:end]) if g != e]
+                if len(sums) < end:
+                    sums = self._wait_sums(seq, end, abandoned)
+                bad += [s.name for s, g, e in zip(bucket.slots, hasher.sums, sums[first:end]) if g != e]
                 first = end
         except CollectiveError as e:
             self._drop_group(pending=[works, flats])

@@ -38,9 +38,13 @@ class WeightSyncConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype on the wire and in the engine: floating-point weights are cast while packed (e.g.
     float32 master weights to bfloat16). auto: the model's dtype (model.dtype)."""
-    pipeline_depth: int = Field(2, ge=1, le=64)
-    """Buckets in flight at once: bucket i+1 is gathered and packed while bucket i is on the
-    wire. Each in-flight bucket costs one bucket of memory on the source's device."""
+    piece_mb: float = Field(64.0, gt=0)
+    """Each broadcast carries at most this many MiB: a bigger bucket (one tensor larger than
+    bucket_mb, e.g. the embedding) is cast, sent and checksummed piece by piece, so its first
+    bytes are on the wire while the rest is still being cast."""
+    pipeline_depth: int = Field(4, ge=1, le=256)
+    """Pieces in flight at once: piece i+1 is cast while pieces up to i are on the wire. On
+    an accelerator each in-flight piece holds its bucket's buffer on the device."""
     delta: bool = False
     """Send only tensors whose bytes changed since the previous version (frozen layers, LoRA,
     bf16 weights an update did not move). Receivers keep the rest; a receiver that does not

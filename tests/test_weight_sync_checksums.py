@@ -1,0 +1,98 @@
+"""Pieces and piecewise checksums: a bucket sent in pieces is packed and checksummed exactly as
+in one go, whatever the piece size (tensors spanning pieces, empty tensors, mixed sizes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weight_sync.checksums import ChecksumWorker, SlotHasher
+from weight_sync.layout import (
+    TensorSpec,
+    empty_bucket,
+    pack_bucket,
+    piece_bounds,
+    plan_buckets,
+    slot_checksums,
+)
+
+
+def make_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"emb": (97, 13), "empty": (0,), "b": (5,), "w": (31, 7), "one": (1,), "tail": (64,)}
+    return {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+
+
+def one_bucket(tensors):
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    (bucket,) = plan_buckets(specs, 2**30, cast_to=torch.bfloat16)
+    return bucket
+
+
+@pytest.mark.parametrize("piece_bytes", [0, 1, 2, 6, 100, 1000, 2**30])
+def test_pieces_pack_and_hash_like_the_whole_bucket(piece_bytes):
+    tensors = make_tensors()
+    bucket = one_bucket(tensors)
+    whole = pack_bucket(bucket, tensors, empty_bucket(bucket))
+    bounds = piece_bounds(bucket, piece_bytes)
+    assert bounds[0][0] == 0 and bounds[-1][1] == bucket.numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and all(lo < hi for lo, hi in bounds)
+    if piece_bytes:
+        assert all((hi - lo) * 2 <= max(piece_bytes, 2) for lo, hi in bounds)
+    out = torch.full_like(whole, float("nan"))
+    hasher = SlotHasher(bucket)
+    for lo, hi in bounds:
+        pack_bucket(bucket, tensors, out, lo, hi)
+        assert not hasher.done or hi == lo
+        hasher.update(out[lo:hi], lo)
+    assert torch.equal(out.view(torch.int16), whole.view(torch.int16))
+    assert hasher.done and hasher.sums == slot_checksums(bucket, whole)
+
+
+def test_pieces_out_of_order_are_an_error():
+    tensors = make_tensors()
+    bucket = one_bucket(tensors)
+    flat = pack_bucket(bucket, tensors, empty_bucket(bucket))
+    (lo0, hi0), (lo1, hi1) = piece_bounds(bucket, bucket.nbytes // 2 + 2)
+    with pytest.raises(ValueError, match="in order"):
+        SlotHasher(bucket).update(flat[lo1:hi1], lo1)
+
+
+def test_a_piece_with_a_wrong_tensor_is_an_error():
+    tensors = make_tensors()
+    bucket = one_bucket(tensors)
+    tensors["w"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="'w' has 3 elements"):
+        pack_bucket(bucket, tensors, empty_bucket(bucket))
+
+
+def test_checksum_worker_reports_every_bucket_in_order():
+    tensors = make_tensors()
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    layout = plan_buckets(specs, 300)
+    assert len(layout) >= 3
+    reported: list[int] = []
+    worker = ChecksumWorker(lambda i, sums: reported.append(i))
+    flats = []
+    for i, bucket in enumerate(layout):
+        flat = pack_bucket(bucket, tensors, empty_bucket(bucket))
+        flats.append(flat)
+        for lo, hi in piece_bounds(bucket, 64):
+            worker.add(i, bucket, flat[lo:hi], lo)
+    sums = worker.finish()
+    assert reported == list(range(len(layout)))
+    assert sums == [slot_checksums(b, f) for b, f in zip(layout, flats)]
+
+
+def test_checksum_worker_raises_what_the_callback_raised():
+    tensors = make_tensors()
+    bucket = one_bucket(tensors)
+    flat = pack_bucket(bucket, tensors, empty_bucket(bucket))
+
+    def fail(i, sums):
+        raise ConnectionError("store gone")
+
+    worker = ChecksumWorker(fail)
+    worker.add(0, bucket, flat, 0)
+    with pytest.raises(ConnectionError, match="store gone"):
+        worker.finish()
