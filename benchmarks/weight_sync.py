@@ -76,13 +76,19 @@ def model_shapes(quick: bool) -> list[tuple[str, tuple[int, ...]]]:
 
 
 class RandomModel(torch.nn.Module):
-    def __init__(self, shapes: list[tuple[str, tuple[int, ...]]], device: torch.device) -> None:
+    def __init__(
+        self, shapes: list[tuple[str, tuple[int, ...]]], device: torch.device, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         gen = torch.Generator(device=device).manual_seed(0)
         self._names = []
         for name, shape in shapes:
             key = name.replace(".", "__")
-            t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0, 0.02, generator=gen)
+            t = (
+                torch.empty(shape, dtype=torch.float32, device=device)
+                .normal_(0, 0.02, generator=gen)
+                .to(dtype)
+            )
             self.register_parameter(key, torch.nn.Parameter(t, requires_grad=False))
             self._names.append((key, name))
 
@@ -313,6 +319,13 @@ def main() -> int:
         help="auto: nccl on cuda, gloo on cpu; gloo with a cuda learner and cpu receivers fits one GPU",
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="wire dtype")
+    ap.add_argument(
+        "--param-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the model's parameters: float32 masters (cast while packing) or bfloat16 (a model "
+        "trained in bf16: packing copies)",
+    )
     ap.add_argument("--bucket-mb", type=float, default=None, help="default: the config's")
     ap.add_argument("--piece-mb", type=float, default=None, help="default: the config's")
     ap.add_argument("--pipeline-depth", type=int, default=None, help="default: the config's")
@@ -351,7 +364,7 @@ def main() -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     shapes = model_shapes(args.quick)
     with console.status("building the random model"):
-        model = RandomModel(shapes, device)
+        model = RandomModel(shapes, device, getattr(torch, args.param_dtype))
     n_params = sum(torch.Size(s).numel() for _, s in shapes)
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     nbytes = n_params * itemsize
