@@ -36,7 +36,9 @@ def test_buffer_benchmark_quick(tmp_path):
         if c["system"] == "sluice" and c["shards"] == 1:
             assert c["shared_fraction"] == (1.0 if c["transport"] == "same-host" else 0.0), c
     assert all(c["mb_per_s"] > 0 and c["trajs_per_s"] > 0 for c in data["cases"])
-    assert all(c["cpu_s"] > 0 for c in data["cases"] if c["system"] == "sluice")
+    # CPU time is counted in 10 ms ticks: a --quick case may take less than one
+    sluice_cpu = [c["cpu_s"] for c in data["cases"] if c["system"] == "sluice"]
+    assert all(t is not None and t >= 0 for t in sluice_cpu) and sum(sluice_cpu) > 0, sluice_cpu
     for memory in data["memory"]:
         assert memory["held_bytes"] == memory["capacity"] * memory["size"]  # filled to capacity
         assert memory["rss_full"] > memory["rss_empty"]
