@@ -23,16 +23,6 @@ from sluice.net import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="session")
-def hf_engine_unless_asked() -> Iterator[None]:
-    """The quickstart's `rollout.engine: auto` picks vLLM where it is installed. Runs started by
-    tests use the HF engine (seconds to start, not tens) unless a test asks for another on its
-    command line (`rollout.engine=vllm`), which beats the environment."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SLUICE__ROLLOUT__ENGINE", "hf")
-        yield
-
-
 @pytest.fixture
 def zmq_ctx() -> Iterator[zmq.Context]:
     ctx = zmq.Context()

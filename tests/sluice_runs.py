@@ -11,6 +11,15 @@ from pathlib import Path
 from sluice.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
+# The quickstart's `rollout.engine: auto` picks vLLM where it is installed; test runs use the HF
+# engine (seconds to start, not tens) unless a test names an engine itself.
+HF_ENGINE = "rollout.engine=hf"
+
+
+def with_hf_engine(config: str, overrides: tuple[str, ...]) -> tuple[str, ...]:
+    if config != "quickstart.yaml" or any(o.startswith("rollout.engine=") for o in overrides):
+        return overrides
+    return (HF_ENGINE, *overrides)
 
 
 def run_command(config: str, run_dir: Path, overrides: tuple[str, ...]) -> list[str]:
@@ -21,7 +30,7 @@ def run_command(config: str, run_dir: Path, overrides: tuple[str, ...]) -> list[
         "run",
         str(ROOT / "configs" / config),
         f"run.dir={run_dir}",
-        *overrides,
+        *with_hf_engine(config, overrides),
         "--no-progress",
     ]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from sluice_runs import HF_ENGINE
 
 from sluice.metrics import read_jsonl
 
@@ -35,6 +36,7 @@ def start_ray_run(run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen
                 str(QUICKSTART),
                 f"run.dir={run_dir}",
                 "ray.local_num_cpus=4",
+                HF_ENGINE,
                 *overrides,
                 "--no-progress",
             ],

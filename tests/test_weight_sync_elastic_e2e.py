@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sluice_runs import HF_ENGINE
 
 from sluice.config.loader import dump_config, load_config
 from sluice.launch.local import resolve
@@ -53,6 +54,7 @@ def test_rollout_killed_and_another_started_while_training_continues(tmp_path, p
         QUICKSTART,
         [
             f"run.dir={run_dir}",
+            HF_ENGINE,
             "learner.total_steps=100000",  # the test stops the learner (SIGTERM: a clean stop)
             "metrics.tensorboard=false",
             "weight_sync.ready_timeout_s=3",
