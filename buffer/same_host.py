@@ -25,7 +25,6 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from buffer.log_records import REGION_ALIGN, array_sizes, region_layout, write_all
@@ -240,7 +239,7 @@ class SameHostPeer:
             for spec, n in zip(meta.arrays, sizes):
                 arrays[spec.name] = codec.view_array(spec, data[at : at + n])
                 at += n
-            out.append(_from_arrays(meta, arrays))
+            out.append(Trajectory.from_meta(meta, arrays))
         return out
 
     def close(self) -> None:
@@ -248,16 +247,3 @@ class SameHostPeer:
             os.close(fd)
         self._fds.clear()
         self.maps.clear()
-
-
-def _from_arrays(meta: TrajectoryMeta, arrays: dict[str, np.ndarray]) -> Trajectory:
-    return Trajectory(
-        traj_id=meta.traj_id,
-        group_id=meta.group_id,
-        version=meta.version,
-        arrays=arrays,
-        group_size=meta.group_size,
-        policy_id=meta.policy_id,
-        reward=meta.reward,
-        info=dict(meta.info),
-    )

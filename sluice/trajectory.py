@@ -54,6 +54,11 @@ class Trajectory:
     @classmethod
     def from_wire(cls, meta: TrajectoryMeta, frames: Sequence[codec.Frame]) -> Trajectory:
         arrays = {spec.name: codec.view_array(spec, f) for spec, f in zip(meta.arrays, frames)}
+        return cls.from_meta(meta, arrays)
+
+    @classmethod
+    def from_meta(cls, meta: TrajectoryMeta, arrays: dict[str, np.ndarray]) -> Trajectory:
+        """The trajectory `meta` describes, holding `arrays` (views of frames or of mapped files)."""
         return cls(
             traj_id=meta.traj_id,
             group_id=meta.group_id,
