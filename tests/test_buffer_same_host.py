@@ -321,33 +321,27 @@ def test_a_put_whose_region_does_not_hold_what_it_claims_stores_nothing(shard_fa
         intended = RegionPayload([(meta, frames)]).checksum
         garbage = np.zeros(traj.nbytes, dtype=np.uint8)
         link.peer.write(res.segment, res.offset, RegionPayload([(meta, [memoryview(garbage)])]))
-        call = Call(
-            PutRequest(
-                proto=PROTO_VERSION,
-                id=link.next_id(),
-                trajs=[meta],
-                region=res.region,
-                region_checksum=intended,
-            ),
-            timeout_s=10,
-        )
-        link.send(call)
-        wait_all([call], client.links)
+
+        def put_region() -> Call:  # a PUT naming the region, with the checksum of `frames`
+            call = Call(
+                PutRequest(
+                    proto=PROTO_VERSION,
+                    id=link.next_id(),
+                    trajs=[meta],
+                    region=res.region,
+                    region_checksum=intended,
+                ),
+                timeout_s=10,
+            )
+            link.send(call)
+            wait_all([call], client.links)
+            return call
+
+        call = put_region()
         assert isinstance(call.error, BufferError) and call.error.code == "BAD_PAYLOAD"
         assert "region_checksum" in call.error.message
         # the region is used up: naming it again is refused too
-        call = Call(
-            PutRequest(
-                proto=PROTO_VERSION,
-                id=link.next_id(),
-                trajs=[meta],
-                region=res.region,
-                region_checksum=intended,
-            ),
-            timeout_s=10,
-        )
-        link.send(call)
-        wait_all([call], client.links)
+        call = put_region()
         assert call.error.code == "BAD_PAYLOAD" and "not reserved" in call.error.message
         assert client.stats()[0].stats["held"] == 0 and client.get(10).trajs == []
         client.put([traj])  # the ordinary way still works
