@@ -13,8 +13,9 @@ processes (`--role receiver`), as rollout services are.
     python benchmarks/weight_sync.py                  # 0.5B params, bf16 wire, CPU/gloo
     python benchmarks/weight_sync.py --quick          # ~10M params: a smoke test
     python benchmarks/weight_sync.py --device cuda    # NCCL; needs receivers+1 GPUs
-    python benchmarks/weight_sync.py --device cuda --backend gloo --receiver-device cpu
-                                                      # one GPU: learner packs on it, gloo
+    python benchmarks/weight_sync.py --device cuda --receiver-device cpu
+                                                      # one GPU: learner casts and packs on it,
+                                                      # gloo to CPU receivers (picked by auto)
 
 Prints a table (rich) and writes JSON (default benchmarks/results/weight_sync.json).
 """
@@ -41,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from sluice.config.weight_sync import WeightSyncConfig  # noqa: E402
 from sluice.net import free_port  # noqa: E402
-from weight_sync.group import make_group, resolve_backend, wait_work  # noqa: E402
+from weight_sync.group import epoch_backend, make_group, wait_work  # noqa: E402
 
 RAW_PREFIX = "bench/raw/"
 PULL_KEY = "bench/pull"
@@ -110,7 +111,7 @@ def receiver_main(args: argparse.Namespace) -> int:
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = resolve_backend(args.backend, device)
+    backend = args.backend  # resolved by the learner, as an epoch commit names it
     cfg = WeightSyncConfig(
         master_port=args.master_port,
         timeout_s=300,
@@ -130,8 +131,9 @@ def receiver_main(args: argparse.Namespace) -> int:
         connect_timeout_s=120,
         op_timeout_s=300,
     )
-    flat = torch.empty(args.raw_bytes, dtype=torch.uint8, device=device)
-    done = torch.zeros(1, device=device)
+    on = device if backend != "gloo" else torch.device("cpu")
+    flat = torch.empty(args.raw_bytes, dtype=torch.uint8, device=on)
+    done = torch.zeros(1, device=on)
     for _ in range(args.repeats + 1):
         wait_work(group.broadcast_async(flat), 300)
         wait_work(group.pg.allreduce([done]), 300)
@@ -169,6 +171,7 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
     from weight_sync.broadcaster import WeightBroadcaster
 
     device = torch.device(args.device)
+    backend = case_backend(args, n)
     cfg = WeightSyncConfig(
         master_port=free_port(),
         backend=args.backend,
@@ -209,17 +212,21 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
                 "--device",
                 args.receiver_device,
                 "--backend",
-                args.backend,
+                backend,
             ],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            env={
+                **os.environ,
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                "OMP_NUM_THREADS": "1",
+            },
         )
         for i in range(n)
     ]
     try:
-        raw = raw_broadcasts(args, broadcaster.store, n, nbytes, device)
+        raw = raw_broadcasts(backend, args, broadcaster.store, n, wire_bytes(model, args.dtype), device)
         wait_for(lambda: broadcaster.membership.registered() == n, 300, "receivers to join")
-        sync, publish_only = [], []
+        sync, publish_only, send, confirm = [], [], [], []
         for version in range(args.repeats + 1):  # version 0 also forms the group: not timed
             t0 = time.perf_counter()
             stats = broadcaster.publish(version, model)
@@ -227,6 +234,8 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
             wait_for(lambda v=version: all_report(broadcaster, v, n), 300, f"v{version} everywhere")
             if version > 0:
                 publish_only.append(t1 - t0)
+                send.append(stats.send_seconds)
+                confirm.append(stats.confirm_seconds)
                 sync.append(time.perf_counter() - t0)
             assert stats.members == n and stats.delivered, stats
         pull = []
@@ -246,7 +255,15 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
     codes = [p.returncode for p in procs]
     if any(codes):
         raise RuntimeError(f"receiver processes exited with {codes}")
-    return {"receivers": n, "raw_s": raw, "sync_s": sync, "publish_s": publish_only, "pull_s": pull}
+    return {
+        "receivers": n,
+        "raw_s": raw,
+        "sync_s": sync,
+        "publish_s": publish_only,
+        "send_s": send,
+        "confirm_s": confirm,
+        "pull_s": pull,
+    }
 
 
 def produce_only(args: argparse.Namespace, model: RandomModel) -> list[float]:
@@ -275,13 +292,30 @@ def produce_only(args: argparse.Namespace, model: RandomModel) -> list[float]:
         broadcaster.close(leave_wait_s=0)
 
 
-def raw_broadcasts(args, store, n: int, nbytes: int, device: torch.device) -> list[float]:
-    backend = resolve_backend(args.backend, device)
+def wire_bytes(model: RandomModel, dtype: str) -> torch.Tensor:
+    """The model's bytes as they go on the wire (cast to the wire dtype), in one flat tensor.
+    The ceiling must send real bytes: an untouched `torch.empty` maps every page to the
+    kernel's shared zero page, whose reads hit the cache, and inflated the ceiling by ~25%."""
+    wire = getattr(torch, dtype)
+    return torch.cat([p.detach().reshape(-1).to(wire) for _, p in model.named_parameters()]).view(torch.uint8)
+
+
+def case_backend(args: argparse.Namespace, n: int) -> str:
+    """The backend the broadcaster's epoch will use with `n` receivers (weight_sync.group)."""
+    return epoch_backend(
+        args.backend, torch.device(args.device).type, [torch.device(args.receiver_device).type] * n
+    )
+
+
+def raw_broadcasts(
+    backend: str, args, store, n: int, data: torch.Tensor, device: torch.device
+) -> list[float]:
     group = make_group(
         backend, store, 0, n + 1, epoch=0, prefix=RAW_PREFIX, connect_timeout_s=120, op_timeout_s=300
     )
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    done = torch.zeros(1, device=device)
+    on = device if backend != "gloo" else torch.device("cpu")  # gloo's best case: host memory
+    flat = data.to(on)
+    done = torch.zeros(1, device=on)
     times = []
     for i in range(args.repeats + 1):  # the first one warms the connections up: not timed
         t0 = time.perf_counter()
@@ -316,7 +350,8 @@ def main() -> int:
         "--backend",
         default="auto",
         choices=["auto", "gloo", "nccl"],
-        help="auto: nccl on cuda, gloo on cpu; gloo with a cuda learner and cpu receivers fits one GPU",
+        help="auto: nccl when the learner and receivers are all on cuda, else gloo (as the "
+        "broadcaster picks each epoch's backend)",
     )
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="wire dtype")
     ap.add_argument(
@@ -352,7 +387,7 @@ def main() -> int:
     console = Console()
     device = torch.device(args.device)
     args.receiver_device = args.receiver_device or args.device
-    if resolve_backend(args.backend, device) == "nccl":
+    if case_backend(args, 1) == "nccl":
         gpus = torch.cuda.device_count()
         too_many = [n for n in args.receivers if n + 1 > gpus]
         if too_many:
@@ -372,7 +407,7 @@ def main() -> int:
         f"{n_params / 1e9:.3f}B parameters, {nbytes / 1e9:.2f} GB on the wire ({args.dtype}), "
         f"bucket {args.bucket_mb} MiB, piece {args.piece_mb} MiB, pipeline depth {args.pipeline_depth}, "
         f"device {args.device}, "
-        f"receivers on {args.receiver_device}, backend {resolve_backend(args.backend, device)}"
+        f"receivers on {args.receiver_device}, backend {case_backend(args, 1)}"
     )
     with console.status("timing the learner's own work per publish"):
         produce = produce_only(args, model)
@@ -384,7 +419,17 @@ def main() -> int:
             cases.append(run_case(args, model, n, nbytes))
             progress.advance(task)
     table = Table(title="weight sync: time to deliver one version to every receiver (median)")
-    for col in ("receivers", "raw s", "raw GB/s", "sync s", "sync GB/s", "sync/raw", "publish s", "pull s"):
+    for col in (
+        "receivers",
+        "raw s",
+        "raw GB/s",
+        "sync s",
+        "sync GB/s",
+        "sync/raw",
+        "send s",
+        "confirm s",
+        "pull s",
+    ):
         table.add_column(col, justify="right")
     for case in cases:
         raw, sync = statistics.median(case["raw_s"]), statistics.median(case["sync_s"])
@@ -403,11 +448,16 @@ def main() -> int:
             f"{sync:.2f}",
             f"{case['sync_gbps']:.2f}",
             f"{case['ratio']:.2f}",
-            f"{statistics.median(case['publish_s']):.2f}",
+            f"{statistics.median(case['send_s']):.3f}",
+            f"{statistics.median(case['confirm_s']):.3f}",
             pull,
         )
     console.print(table)
-    console.print("GB/s = model bytes / time to the last receiver; every receiver gets all of them.")
+    console.print(
+        "GB/s = model bytes / time to the last receiver; every receiver gets all of them. "
+        "send = announcement to the learner's last broadcast done (packing overlaps it); "
+        "confirm = then to every receiver's verified report."
+    )
     console.print(
         f"learner work per publish without receivers (gather, cast, pack, checksum): "
         f"{statistics.median(produce):.2f} s"
@@ -421,7 +471,7 @@ def main() -> int:
         "pipeline_depth": args.pipeline_depth,
         "device": args.device,
         "receiver_device": args.receiver_device,
-        "backend": resolve_backend(args.backend, device),
+        "backend": case_backend(args, 1),
         "repeats": args.repeats,
         "produce_only_s": produce,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},

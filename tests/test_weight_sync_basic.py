@@ -97,6 +97,8 @@ def test_bit_identical_for_dtypes_and_bucket_sizes(env_factory, dtype, bucket_mb
         perturb(model)
         stats = env.broadcaster.publish(version, model)  # fp32 master weights, cast on the fly
         assert stats.members == 1
+        assert 0 < stats.send_seconds and 0 < stats.confirm_seconds
+        assert stats.send_seconds + stats.confirm_seconds <= stats.seconds
         got = wait_version(receiver, version)
         assert got.version == version
         assert_identical(got.tensors, expected(model, wire))

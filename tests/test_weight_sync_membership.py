@@ -10,6 +10,7 @@ from sluice.control.client import ControlClient
 from sluice.control.server import ControlServer
 from sluice.net import free_port
 from sluice.rpc import RpcError
+from weight_sync.group import epoch_backend
 from weight_sync.membership import Candidate, Membership
 
 
@@ -84,3 +85,31 @@ def test_bad_membership_requests_are_named(control):
         client.sync_report("rollout-0", "a", epoch=1, version=1, outcome="maybe")
     assert e.value.code == "BAD_HEADER" and "outcome" in e.value.message
     assert client.join("rollout-0", "a", -1).ok  # still serving
+
+
+def test_join_carries_the_device_the_epoch_backend_follows(control):
+    server, client = control
+    membership = Membership()
+    server.attach_membership(membership)
+    client.join("rollout-0", "a", -1, device="cuda")
+    client.join("rollout-1", "b", -1)  # an older receiver says nothing: cpu
+    _, _, candidates = membership.begin_epoch()
+    assert [(c.service_id, c.device) for c in candidates] == [("rollout-0", "cuda"), ("rollout-1", "cpu")]
+
+
+@pytest.mark.parametrize(
+    ("configured", "learner", "members", "want"),
+    [
+        ("auto", "cpu", ["cpu", "cpu"], "gloo"),
+        ("auto", "cuda", ["cuda", "cuda"], "nccl"),
+        ("auto", "cuda", ["cuda", "cpu"], "gloo"),  # a CUDA learner with a CPU rollout service
+        ("auto", "cuda", [], "nccl"),
+        ("auto", "cpu", ["cuda"], "gloo"),  # a CPU learner (tests, small runs)
+        ("auto", "npu", ["npu"], "hccl"),
+        ("auto", "npu", ["cuda"], "gloo"),
+        ("nccl", "cuda", ["cpu"], "nccl"),  # configured: used as is (and fails loudly if wrong)
+        ("gloo", "cuda", ["cuda"], "gloo"),
+    ],
+)
+def test_epoch_backend_follows_every_members_device(configured, learner, members, want):
+    assert epoch_backend(configured, learner, members) == want

@@ -61,6 +61,7 @@ from weight_sync.checksums import ChecksumWorker
 from weight_sync.group import (
     BroadcastGroup,
     CollectiveError,
+    epoch_backend,
     make_group,
     open_store,
     resolve_backend,
@@ -158,6 +159,7 @@ class WeightBroadcaster:
         # host buffers of retired snapshots (one version's worth), page-locked for accelerators
         self._host_buffers = BufferPool(torch.device("cpu"), pin=device.type != "cpu")
         self._force_full = True  # members may lack the delta base (new epoch, a refusal)
+        self._phases = (0.0, 0.0)  # the last _send's (send, confirm) seconds
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -258,6 +260,8 @@ class WeightBroadcaster:
             delta_tensors=delta_tensors,
             retried=retried,
             delivered=delivered,
+            send_seconds=self._phases[0],
+            confirm_seconds=self._phases[1],
         )
         self.metrics.published(stats)
         return stats
@@ -288,6 +292,7 @@ class WeightBroadcaster:
         soon as it is packed when `send` (and there is a group)."""
         flats: list[torch.Tensor] = []
         on_host = self.device.type == "cpu"
+        wire_on_host = self._wire_device().type == "cpu"
 
         def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
             host = self._host_buffers.get(bucket)
@@ -295,18 +300,27 @@ class WeightBroadcaster:
             flats.append(host)
             with source.gather(bucket.names) as full:
                 for lo, hi in bounds:
-                    pack_bucket(bucket, full, out, lo, hi)
+                    pack_bucket(bucket, full, out, lo, hi)  # cast where the weights live
                     if not on_host:
                         host[lo:hi].copy_(out[lo:hi])
-                    yield out[lo:hi], host[lo:hi]
+                    yield (host if wire_on_host else out)[lo:hi], host[lo:hi]
 
         error, sums = self._send(version, layout, produce, None, send=send)
         return Snapshot(version, layout, flats, sums), error
 
+    def _wire_device(self) -> torch.device:
+        """Where broadcast tensors must live: the host for gloo (a CPU transport: handing it
+        accelerator tensors only adds a staging copy per piece), else the learner's device."""
+        if self.group is None or self.group.backend == "gloo":
+            return torch.device("cpu")
+        return self.device
+
     def _send_full(self, snapshot: Snapshot) -> CollectiveError | None:
+        wire_device = self._wire_device()
+
         def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
             for lo, hi in bounds:
-                yield snapshot.flats[i][lo:hi].to(self.device), None
+                yield snapshot.flats[i][lo:hi].to(wire_device), None
 
         return self._send(snapshot.version, snapshot.buckets, produce, snapshot.sums)[0]
 
@@ -322,10 +336,12 @@ class WeightBroadcaster:
         layout = plan_buckets(specs, int(self.cfg.bucket_mb * 2**20))
         sums = [[changed[n].checksum for n in bucket.names] for bucket in layout]
 
+        wire_device = self._wire_device()
+
         def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
             packed = pack_bucket(bucket, {n: changed[n].data for n in bucket.names}, empty_bucket(bucket))
             for lo, hi in bounds:
-                yield packed[lo:hi].to(self.device), None
+                yield packed[lo:hi].to(wire_device), None
 
         error, _ = self._send(snapshot.version, layout, produce, sums, base_version=base.version)
         return error, sum(b.nbytes for b in layout), len(changed)
@@ -348,6 +364,7 @@ class WeightBroadcaster:
         produced even after a failure (learner ranks gather in lockstep, and the snapshot needs
         every bucket). Returns (error, every bucket's checksums)."""
         group = self.group if send else None
+        t_start = time.perf_counter()
         piece_bytes = max(1, int(self.cfg.piece_mb * 2**20))
         seq = -1
         if group is not None:
@@ -392,8 +409,10 @@ class WeightBroadcaster:
                 wait_oldest()
             except CollectiveError as e:
                 error = e
+        t_sent = time.perf_counter()
         if error is None and group is not None:
             error = self._await_reports(group, version, liveness)
+        self._phases = (t_sent - t_start, time.perf_counter() - t_sent)
         if error is not None:
             if liveness is not None and liveness.silent and "heartbeat" not in str(error):
                 error = CollectiveError(f"{error}: no heartbeat from rank(s) {liveness.silent}")
@@ -452,7 +471,8 @@ class WeightBroadcaster:
         dropped = [c for c in candidates if c not in committed]
         ids = [c.service_id for c in committed]
         self._members = ids
-        self.store.set(commit_key(epoch), encoder.encode(EpochCommit(epoch, ids, self.backend)))
+        backend = epoch_backend(self.cfg.backend, self.device.type, [c.device for c in committed])
+        self.store.set(commit_key(epoch), encoder.encode(EpochCommit(epoch, ids, backend)))
         self.membership.commit_epoch(committed, dropped)
         if dropped:
             log.warning(
@@ -466,7 +486,7 @@ class WeightBroadcaster:
             return
         try:
             self.group = make_group(
-                self.backend,
+                backend,
                 self.store,
                 0,
                 len(committed) + 1,
@@ -478,7 +498,7 @@ class WeightBroadcaster:
         except CollectiveError as e:
             self._abandon_epoch(e)
             return
-        log.info("weight sync: epoch %d formed with %s", epoch, ids)
+        log.info("weight sync: epoch %d formed with %s over %s", epoch, ids, backend)
 
     def _await_ready(self, epoch: int, candidates: list[Candidate]) -> dict[str, str]:
         """service id -> incarnation of the candidates that confirmed in time."""

@@ -38,10 +38,27 @@ class CollectiveAborted(CollectiveError):
     """`should_abort` turned true while waiting: the epoch was abandoned or we are stopping."""
 
 
+ACCELERATOR_BACKENDS = {"cuda": "nccl", "npu": "hccl"}  # device type -> its collective library
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     if backend != "auto":
         return backend
-    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+    return ACCELERATOR_BACKENDS.get(device.type, "gloo")
+
+
+def epoch_backend(configured: str, learner_device: str, member_devices: list[str]) -> str:
+    """The backend of an epoch's group. `configured` other than auto is used as is; auto: the
+    accelerator's collective library (nccl, hccl) when the learner and every member hold their
+    weights on that accelerator type, else gloo (a CPU transport every device can reach through
+    host memory: a CUDA learner with CPU rollout services, say). The commit names it, so
+    receivers never guess."""
+    if configured != "auto":
+        return configured
+    own = ACCELERATOR_BACKENDS.get(learner_device, "gloo")
+    if own != "gloo" and all(d == learner_device for d in member_devices):
+        return own
+    return "gloo"
 
 
 def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:

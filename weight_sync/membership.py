@@ -39,6 +39,7 @@ class Member:
     service_id: str
     incarnation: str
     held_version: int  # what it said it holds when it joined
+    device: str = "cpu"  # device type its weights land on
     state: Literal["pending", "member"] = "pending"
     version: int = -1  # last version it reported verified
     refused: int = 0
@@ -51,6 +52,7 @@ class Member:
 class Candidate:
     service_id: str
     incarnation: str
+    device: str = "cpu"
 
 
 class Membership:
@@ -81,7 +83,7 @@ class Membership:
         if "/" in req.service_id:
             raise ValueError(f"service_id={req.service_id!r} must not contain '/'")
         old = self._members.get(req.service_id)
-        member = Member(req.service_id, req.incarnation, req.held_version)
+        member = Member(req.service_id, req.incarnation, req.held_version, req.device)
         if old is not None:
             if old.incarnation != req.incarnation:
                 self.counters["replaced"] += 1  # a restarted service: the old process is gone
@@ -156,7 +158,11 @@ class Membership:
             seq = self._seq
             self._seq += 1
             self.counters["epochs"] += 1
-            return seq, self.epoch, [Candidate(m.service_id, m.incarnation) for m in self._members.values()]
+            return (
+                seq,
+                self.epoch,
+                [Candidate(m.service_id, m.incarnation, m.device) for m in self._members.values()],
+            )
 
     def commit_epoch(self, committed: list[Candidate], dropped: list[Candidate]) -> None:
         """Committed candidates become members; dropped ones are forgotten (they JOIN again).

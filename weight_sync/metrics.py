@@ -18,6 +18,10 @@ class PublishStats:
     delta_tensors: int = -1  # tensors a delta carried; -1: a full version
     retried: bool = False  # the first attempt failed; the version went out over a rebuilt group
     delivered: bool = True  # False: the retry failed too (members get the next version)
+    # where the (last attempt's) time went: announcement to our side of the last broadcast done
+    # (packing and sending overlap in there), then to every member's verified report
+    send_seconds: float = 0.0
+    confirm_seconds: float = 0.0
 
     def as_record(self) -> dict[str, float]:
         return {
@@ -26,6 +30,8 @@ class PublishStats:
             "ws_gbps": self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0,
             "ws_members": float(self.members),
             "ws_epoch": float(self.epoch),
+            "ws_send_seconds": self.send_seconds,
+            "ws_confirm_seconds": self.confirm_seconds,
         }
 
 
@@ -37,6 +43,12 @@ class BroadcastMetrics:
         self.publishes = Counter("sluice_weight_sync_publishes", "Versions published", registry=registry)
         self.bytes = Counter("sluice_weight_sync_bytes", "Bytes broadcast", registry=registry)
         self.seconds = Gauge("sluice_weight_sync_publish_seconds", "Last publish duration", registry=registry)
+        self.phase_seconds = Gauge(
+            "sluice_weight_sync_phase_seconds",
+            "Last publish: send (pack and broadcast) and confirm (until every member verified)",
+            ["phase"],
+            registry=registry,
+        )
         self.members = Gauge(
             "sluice_weight_sync_members", "Members of the broadcast group", registry=registry
         )
@@ -59,6 +71,8 @@ class BroadcastMetrics:
         self.publishes.inc()
         self.bytes.inc(stats.bytes)
         self.seconds.set(stats.seconds)
+        self.phase_seconds.labels("send").set(stats.send_seconds)
+        self.phase_seconds.labels("confirm").set(stats.confirm_seconds)
         self.members.set(stats.members)
         self.epoch.set(stats.epoch)
 

@@ -117,6 +117,11 @@ class WeightReceiver:
         self._group: BroadcastGroup | None = None
         self._droppers: list[threading.Thread] = []  # threads releasing dropped groups
         self._buffers = BufferPool(device)
+        # a gloo epoch with weights on an accelerator: received into page-locked host buffers,
+        # verified there, then copied to the device once
+        self._host_buffers = (
+            self._buffers if device.type == "cpu" else BufferPool(torch.device("cpu"), pin=True)
+        )
         self._registered = False
         self._listed = False  # an epoch listed it since it last joined
         self._seq = 0
@@ -222,7 +227,7 @@ class WeightReceiver:
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self._stop.is_set():
             try:
-                reply = self._control.join(self.service_id, self.incarnation, self.version)
+                reply = self._control.join(self.service_id, self.incarnation, self.version, self.device.type)
                 break
             except RpcTimeout:
                 if time.monotonic() > deadline:
@@ -416,7 +421,8 @@ class WeightReceiver:
 
     def _receive(self, seq: int, ann: WeightsAnnouncement) -> None:
         group = self._group
-        flats = [self._buffers.get(b) for b in ann.buckets]
+        pool = self._host_buffers if group.backend == "gloo" else self._buffers
+        flats = [pool.get(b) for b in ann.buckets]
         pieces = [
             (i, lo, flat[lo:hi])
             for i, (bucket, flat) in enumerate(zip(ann.buckets, flats))
@@ -451,11 +457,16 @@ class WeightReceiver:
             log.warning("weight receiver: v%d over epoch %d failed: %s", ann.version, ann.epoch, e)
             self._report(ann.epoch, ann.version, "failed", str(e))
             return
-        tensors = {n: t for b, f in zip(ann.buckets, flats) for n, t in unpack_bucket(b, f)}
-        self._buffers.retire(flats)  # reused once the rollout loop dropped its views
         if bad:
+            pool.retire(flats)
             self._refuse(ann.epoch, ann.version, f"checksum mismatch in {len(bad)} tensors, e.g. {bad[:3]}")
             return
+        if pool is not self._buffers:  # staged on the host: verified there, now moved once
+            staged, flats = flats, [f.to(self.device) for f in flats]
+            pool.retire(staged)
+            pool = self._buffers
+        tensors = {n: t for b, f in zip(ann.buckets, flats) for n, t in unpack_bucket(b, f)}
+        pool.retire(flats)  # reused once the rollout loop dropped its views
         if ann.base_version >= 0:
             if ann.base_version != self.version:
                 self._refuse(

@@ -61,13 +61,14 @@ class ControlClient:
 
     # -- weight-sync membership ------------------------------------------------------------------
 
-    def join(self, service_id: str, incarnation: str, held_version: int) -> JoinReply:
+    def join(self, service_id: str, incarnation: str, held_version: int, device: str = "cpu") -> JoinReply:
         req = JoinRequest(
             proto=PROTO_VERSION,
             id=self.conn.next_id(),
             service_id=service_id,
             incarnation=incarnation,
             held_version=held_version,
+            device=device,
         )
         return self.conn.request(req, timeout_s=self.timeout_s)[0]
 

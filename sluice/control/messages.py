@@ -59,6 +59,9 @@ class JoinRequest(_Request, tag="JOIN"):
     service_id: str  # W: receiver (rollout-0, ...). R: learner; a member is known by it
     incarnation: str  # W: receiver, unique per process. R: learner; a new one replaces the old
     held_version: int = -1  # W: receiver, version it holds (pulled or kept). -1: none
+    # W: receiver, the device type its weights land on (cpu, cuda, npu). R: learner, which
+    # picks each epoch's backend from its members' devices (gloo unless all share one accelerator)
+    device: str = "cpu"
 
 
 class LeaveRequest(_Request, tag="LEAVE"):
