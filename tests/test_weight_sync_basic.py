@@ -87,9 +87,12 @@ def test_weights_reach_hf_engines_bit_identical(tmp_path, env_factory):
 @pytest.mark.parametrize(  # a bucket per tensor .. one bucket; whole buckets .. tensors in pieces
     ("bucket_mb", "piece_mb"), [(0.002, 64.0), (0.004, 0.001), (64.0, 0.003), (64.0, 64.0)]
 )
-def test_bit_identical_for_dtypes_and_bucket_sizes(env_factory, dtype, bucket_mb, piece_mb):
+@pytest.mark.parametrize("checksum", ["auto", "wsum32"])  # auto: xxh3 on gloo; wsum32: nccl's
+def test_bit_identical_for_dtypes_and_bucket_sizes(env_factory, dtype, bucket_mb, piece_mb, checksum):
     model = tiny_model()
-    env = env_factory(small_cfg(bucket_mb=bucket_mb, piece_mb=piece_mb, dtype=dtype, pipeline_depth=2))
+    env = env_factory(
+        small_cfg(bucket_mb=bucket_mb, piece_mb=piece_mb, dtype=dtype, pipeline_depth=2, checksum=checksum)
+    )
     receiver = env.receiver("rollout-0")
     env.wait_members(1)
     wire = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -137,20 +140,23 @@ class CorruptingBroadcaster(WeightBroadcaster):
         if version not in self.corrupt_versions:
             return super()._send(version, layout, produce, *args, **kwargs)
 
-        def corrupted(i, bucket, bounds):
-            for j, (wire, host) in enumerate(produce(i, bucket, bounds)):
+        def corrupted(i, bucket, bounds, wire_sums):
+            for j, (wire, host, wsum) in enumerate(produce(i, bucket, bounds, wire_sums)):
                 if i == 1 and j == 0:
                     wire = wire.clone()
                     wire.view(torch.uint8)[3] ^= 0x10
-                yield wire, host
+                yield wire, host, wsum
 
         return super()._send(version, layout, corrupted, *args, **kwargs)
 
 
-def test_corrupted_bucket_is_refused_and_old_weights_kept(env_factory):
+@pytest.mark.parametrize("checksum", ["xxh3", "wsum32"])
+def test_corrupted_bucket_is_refused_and_old_weights_kept(env_factory, checksum):
     model = tiny_model()
     # delta=True: the receiver keeps the held version (as a delta base), so it can be checked
-    env = env_factory(small_cfg(bucket_mb=0.002, delta=True), broadcaster_cls=CorruptingBroadcaster)
+    env = env_factory(
+        small_cfg(bucket_mb=0.002, delta=True, checksum=checksum), broadcaster_cls=CorruptingBroadcaster
+    )
     env.broadcaster.corrupt_versions = {2}
     receiver = env.receiver("rollout-0")
     env.wait_members(1)

@@ -22,9 +22,9 @@ class SlowGatherBroadcaster(WeightBroadcaster):
     after the first bucket went out is certainly killed in the middle of the publish."""
 
     def _send(self, version, layout, produce, *args, **kwargs):
-        def slow(i, bucket, bounds):
+        def slow(i, bucket, bounds, wire_sums):
             time.sleep(0.05)
-            return produce(i, bucket, bounds)
+            return produce(i, bucket, bounds, wire_sums)
 
         return super()._send(version, layout, slow, *args, **kwargs)
 

@@ -79,6 +79,9 @@ class WeightsAnnouncement(msgspec.Struct, tag="weights", tag_field="kind", forbi
     buckets: list[Bucket]  # W: learner, the layout. R: receivers allocate and unpack it
     base_version: int = -1  # W: learner. -1: every tensor follows; else a delta on top of it
     piece_bytes: int = 0  # W: learner. R: receivers (layout.piece_bounds: one broadcast per piece)
+    # W: learner. R: receivers, what the sums under ws/ann/<seq>/sums are: xxh3 (one per
+    # tensor, of host bytes) or wsum32 (one per piece, computed on the device; checksums.py)
+    checksum: str = "xxh3"
 
 
 class ShutdownAnnouncement(msgspec.Struct, tag="shutdown", tag_field="kind", forbid_unknown_fields=True):

@@ -57,7 +57,7 @@ from weight_sync.announcements import (
     sums_key,
 )
 from weight_sync.buffers import BufferPool
-from weight_sync.checksums import ChecksumWorker
+from weight_sync.checksums import ChecksumWorker, piece_wsum, wsum_words
 from weight_sync.group import (
     BroadcastGroup,
     CollectiveError,
@@ -87,10 +87,12 @@ from weight_sync.transfer_server import SnapshotServer
 log = logging.getLogger(__name__)
 
 # A piece of a bucket: (what to broadcast, on the group's device; its host copy, or None when
-# the bucket's checksums are known already)
-Piece = tuple[torch.Tensor, torch.Tensor | None]
-# produce(i, bucket, bounds) -> the bucket's pieces, in the order of `bounds` ([lo, hi) each)
-Producer = Callable[[int, Bucket, list[tuple[int, int]]], Iterator[Piece]]
+# the bucket's checksums are known already; its wsum32 taken where it was packed, or None when
+# the wire checksum is xxh3)
+Piece = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# produce(i, bucket, bounds, wire_sums) -> the bucket's pieces, in the order of `bounds`
+# ([lo, hi) each); wire_sums: take each piece's wsum32
+Producer = Callable[[int, Bucket, list[tuple[int, int]], bool], Iterator[Piece]]
 
 
 class MembershipHost(Protocol):
@@ -294,16 +296,19 @@ class WeightBroadcaster:
         on_host = self.device.type == "cpu"
         wire_on_host = self._wire_device().type == "cpu"
 
-        def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
+        def produce(
+            i: int, bucket: Bucket, bounds: list[tuple[int, int]], wire_sums: bool
+        ) -> Iterator[Piece]:
             host = self._host_buffers.get(bucket)
             out = host if on_host else empty_bucket(bucket, self.device)
             flats.append(host)
             with source.gather(bucket.names) as full:
                 for lo, hi in bounds:
                     pack_bucket(bucket, full, out, lo, hi)  # cast where the weights live
+                    wsum = piece_wsum(out[lo:hi], lo) if wire_sums else None  # on the device
                     if not on_host:
                         host[lo:hi].copy_(out[lo:hi])
-                    yield (host if wire_on_host else out)[lo:hi], host[lo:hi]
+                    yield (host if wire_on_host else out)[lo:hi], host[lo:hi], wsum
 
         error, sums = self._send(version, layout, produce, None, send=send)
         return Snapshot(version, layout, flats, sums), error
@@ -315,12 +320,22 @@ class WeightBroadcaster:
             return torch.device("cpu")
         return self.device
 
+    def _wire_checksum(self) -> str:
+        """xxh3 per tensor where the bytes pass through host memory (gloo), wsum32 per piece
+        computed on the device where they do not (nccl, hccl): see weight_sync.checksums."""
+        if self.cfg.checksum != "auto":
+            return self.cfg.checksum
+        return "xxh3" if self._wire_device().type == "cpu" else "wsum32"
+
     def _send_full(self, snapshot: Snapshot) -> CollectiveError | None:
         wire_device = self._wire_device()
 
-        def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
+        def produce(
+            i: int, bucket: Bucket, bounds: list[tuple[int, int]], wire_sums: bool
+        ) -> Iterator[Piece]:
             for lo, hi in bounds:
-                yield snapshot.flats[i][lo:hi].to(wire_device), None
+                wire = snapshot.flats[i][lo:hi].to(wire_device)
+                yield wire, None, piece_wsum(wire, lo) if wire_sums else None
 
         return self._send(snapshot.version, snapshot.buckets, produce, snapshot.sums)[0]
 
@@ -338,10 +353,13 @@ class WeightBroadcaster:
 
         wire_device = self._wire_device()
 
-        def produce(i: int, bucket: Bucket, bounds: list[tuple[int, int]]) -> Iterator[Piece]:
+        def produce(
+            i: int, bucket: Bucket, bounds: list[tuple[int, int]], wire_sums: bool
+        ) -> Iterator[Piece]:
             packed = pack_bucket(bucket, {n: changed[n].data for n in bucket.names}, empty_bucket(bucket))
             for lo, hi in bounds:
-                yield packed[lo:hi].to(wire_device), None
+                wire = packed[lo:hi].to(wire_device)
+                yield wire, None, piece_wsum(wire, lo) if wire_sums else None
 
         error, _ = self._send(snapshot.version, layout, produce, sums, base_version=base.version)
         return error, sum(b.nbytes for b in layout), len(changed)
@@ -357,25 +375,32 @@ class WeightBroadcaster:
         send: bool = True,
     ) -> tuple[CollectiveError | None, list[list[int]]]:
         """Announce, then produce and broadcast piece by piece, keeping up to
-        `pipeline_depth` broadcasts in flight. `sums`: the buckets' checksums when known
-        (appended before each bucket's data); None: each piece's host copy is checksummed in a
-        background thread while the next one is packed and the bucket's sums are appended once
-        its last piece is hashed (receivers wait for them before they verify). Every bucket is
+        `pipeline_depth` broadcasts in flight. `sums`: the buckets' xxh3 checksums when known
+        (appended before each bucket's data when xxh3 is the wire checksum); None: each piece's
+        host copy is hashed in a background thread while the next one is packed, and (xxh3 on
+        the wire) the bucket's sums are appended once its last piece is hashed (receivers wait
+        for them before they verify). With wsum32 on the wire, each piece's sum is taken where
+        it was packed and a bucket's are appended after its last piece. Every bucket is
         produced even after a failure (learner ranks gather in lockstep, and the snapshot needs
-        every bucket). Returns (error, every bucket's checksums)."""
+        every bucket). Returns (error, every bucket's xxh3 checksums)."""
         group = self.group if send else None
         t_start = time.perf_counter()
         piece_bytes = max(1, int(self.cfg.piece_mb * 2**20))
+        checksum = self._wire_checksum() if group is not None else "xxh3"
+        wire_sums = checksum == "wsum32"
         seq = -1
         if group is not None:
             seq = self.membership.next_seq()
-            self._announce(seq, WeightsAnnouncement(group.epoch, version, layout, base_version, piece_bytes))
+            self._announce(
+                seq, WeightsAnnouncement(group.epoch, version, layout, base_version, piece_bytes, checksum)
+            )
         store = self.store
 
         def append_sums(i: int, bucket_sums: list[int]) -> None:
             store.append(sums_key(seq), encode_checksums(bucket_sums))
 
-        worker = None if sums is not None else ChecksumWorker(append_sums if group is not None else None)
+        on_hashed = append_sums if group is not None and not wire_sums else None
+        worker = None if sums is not None else ChecksumWorker(on_hashed)
         inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()
         error: CollectiveError | None = None
         liveness = _Liveness(self.store, group, self.cfg.liveness_timeout_s) if group else None
@@ -386,9 +411,12 @@ class WeightBroadcaster:
         try:
             for i, bucket in enumerate(layout):
                 bounds = piece_bounds(bucket, piece_bytes)
-                if sums is not None and group is not None:
+                if sums is not None and group is not None and not wire_sums:
                     append_sums(i, sums[i])  # known already: before the data
-                for (lo, _), (wire, host) in zip(bounds, produce(i, bucket, bounds), strict=True):
+                piece_sums: list[torch.Tensor] = []
+                for (lo, _), (wire, host, wsum) in zip(
+                    bounds, produce(i, bucket, bounds, wire_sums), strict=True
+                ):
                     if group is not None and error is None:
                         try:
                             inflight.append((group.broadcast_async(wire), wire))
@@ -396,11 +424,15 @@ class WeightBroadcaster:
                             error = e
                     if worker is not None:
                         worker.add(i, bucket, host, lo)  # hashed while the next piece is packed
+                    if wsum is not None:
+                        piece_sums.append(wsum)
                     while inflight and error is None and len(inflight) >= self.cfg.pipeline_depth:
                         try:
                             wait_oldest()
                         except CollectiveError as e:
                             error = e
+                if wire_sums:
+                    append_sums(i, wsum_words(piece_sums))  # follow the data
         finally:
             if worker is not None:
                 sums = worker.finish()

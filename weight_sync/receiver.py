@@ -56,7 +56,7 @@ from weight_sync.announcements import (
     sums_key,
 )
 from weight_sync.buffers import BufferPool
-from weight_sync.checksums import SlotHasher
+from weight_sync.checksums import WIRE_CHECKSUMS, SlotHasher, piece_wsum, wsum_words
 from weight_sync.group import BroadcastGroup, CollectiveAborted, CollectiveError, make_group, wait_work
 from weight_sync.layout import decode_checksums, piece_bounds, unpack_bucket
 from weight_sync.transfer_client import TransferError, pull_snapshot
@@ -71,6 +71,14 @@ _STORE_POLL_S = 0.005  # how often a wait for a store key asks the store
 class ReceivedWeights:
     version: int
     tensors: list[tuple[str, torch.Tensor]]  # every tensor of the model (views; never mutated)
+
+
+def bucket_names(bucket, start: int) -> str:
+    """The tensor at element `start` of a bucket, for error messages."""
+    for slot in bucket.slots:
+        if slot.offset <= start < slot.offset + slot.numel:
+            return slot.name
+    return "?"
 
 
 class _Rejoin(Exception):
@@ -429,16 +437,37 @@ class WeightReceiver:
             for lo, hi in piece_bounds(bucket, ann.piece_bytes)
         ]
         works: list = []
-        bad: list[str] = []
+        bad: list[str] = []  # tensors (xxh3) or pieces (wsum32) whose checksum differs
         abandoned = self._abandoned(ann.epoch, group.rank)
+        if ann.checksum not in WIRE_CHECKSUMS:
+            bad.append(f"checksum {ann.checksum!r} unknown to this receiver")
         try:
             works.extend(group.broadcast_async(piece) for _, _, piece in pieces)
             sums: list[int] = []
             first = 0
             hasher: SlotHasher | None = None
+            piece_sums: list[torch.Tensor] = []
             for (i, lo, piece), work in zip(pieces, works):
                 wait_work(work, self.cfg.publish_timeout_s, abandoned, _POLL_S)
                 bucket = ann.buckets[i]
+                if ann.checksum != "xxh3":  # wsum32: on the piece's device, one word per piece
+                    if lo == 0:
+                        piece_sums, starts = [], []
+                    piece_sums.append(piece_wsum(piece, lo))
+                    starts.append(lo)
+                    if lo + piece.numel() < bucket.numel:
+                        continue
+                    got = wsum_words(piece_sums)
+                    end = first + len(got)
+                    if len(sums) < end:
+                        sums = self._wait_sums(seq, end, abandoned)
+                    bad += [
+                        f"bucket {i} elements {start}+ ({bucket_names(bucket, start)})"
+                        for start, g, e in zip(starts, got, sums[first:end])
+                        if g != e
+                    ]
+                    first = end
+                    continue
                 if lo == 0:
                     hasher = SlotHasher(bucket)
                 # verified while the next pieces arrive
@@ -459,7 +488,8 @@ class WeightReceiver:
             return
         if bad:
             pool.retire(flats)
-            self._refuse(ann.epoch, ann.version, f"checksum mismatch in {len(bad)} tensors, e.g. {bad[:3]}")
+            what = "tensors" if ann.checksum == "xxh3" else "pieces"
+            self._refuse(ann.epoch, ann.version, f"checksum mismatch in {len(bad)} {what}, e.g. {bad[:3]}")
             return
         if pool is not self._buffers:  # staged on the host: verified there, now moved once
             staged, flats = flats, [f.to(self.device) for f in flats]

@@ -46,6 +46,11 @@ class WeightSyncConfig(Section):
     bytes are on the wire while the rest is still being cast. 16 MiB measured best of 64/16 on a
     16-core host (benchmarks/weight_sync.py); smaller pieces also shorten the pipeline's fill
     and drain."""
+    checksum: Literal["auto", "xxh3", "wsum32"] = "auto"
+    """How receivers verify a broadcast: xxh3-64 per tensor of host bytes, or wsum32 per piece
+    computed on the device the bytes are on (no device-to-host copy, no CPU core; a checksum
+    against transport faults, not a hash). auto: xxh3 on gloo epochs, wsum32 on nccl/hccl
+    epochs. Snapshots, pulls and deltas always use xxh3."""
     pipeline_depth: int = Field(4, ge=1, le=256)
     """Pieces in flight at once: piece i+1 is cast while pieces up to i are on the wire. On
     an accelerator each in-flight piece holds its bucket's buffer on the device."""
