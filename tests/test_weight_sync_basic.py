@@ -239,9 +239,10 @@ def test_leave_rebuilds_group_without_the_service(env_factory):
     assert_identical(got.tensors, expected(model, torch.float32))
 
 
-def test_delta_sync_sends_only_changed_tensors(env_factory):
+@pytest.mark.parametrize("checksum", ["auto", "wsum32"])
+def test_delta_sync_sends_only_changed_tensors(env_factory, checksum):
     model = tiny_model()
-    env = env_factory(small_cfg(delta=True, bucket_mb=0.01))
+    env = env_factory(small_cfg(delta=True, bucket_mb=0.01, checksum=checksum))
     receiver = env.receiver("rollout-0")
     env.wait_members(1)
     full = env.broadcaster.publish(1, model)  # first publish of an epoch: everything
