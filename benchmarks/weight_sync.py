@@ -131,7 +131,7 @@ def receiver_main(args: argparse.Namespace) -> int:
         connect_timeout_s=120,
         op_timeout_s=300,
     )
-    on = device if backend != "gloo" else torch.device("cpu")
+    on = ceiling_device(backend, device)
     flat = torch.empty(args.raw_bytes, dtype=torch.uint8, device=on)
     done = torch.zeros(1, device=on)
     for _ in range(args.repeats + 1):
@@ -163,7 +163,8 @@ def receiver_main(args: argparse.Namespace) -> int:
 # -- learner side --------------------------------------------------------------------------------
 
 
-def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) -> dict:
+def run_case(args: argparse.Namespace, model: RandomModel, n: int, wire: torch.Tensor) -> dict:
+    """`wire`: the model's wire bytes (`wire_bytes`), what the raw ceiling broadcasts."""
     import zmq
 
     from sluice.control.admission import AdmissionPolicy
@@ -206,7 +207,7 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
                 "--control",
                 control_endpoint,
                 "--raw-bytes",
-                str(nbytes),
+                str(wire.numel()),
                 "--repeats",
                 str(args.repeats),
                 "--device",
@@ -224,7 +225,7 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, nbytes: int) 
         for i in range(n)
     ]
     try:
-        raw = raw_broadcasts(backend, args, broadcaster.store, n, wire_bytes(model, args.dtype), device)
+        raw = raw_broadcasts(backend, args, broadcaster.store, n, wire, device)
         wait_for(lambda: broadcaster.membership.registered() == n, 300, "receivers to join")
         sync, publish_only, send, confirm = [], [], [], []
         for version in range(args.repeats + 1):  # version 0 also forms the group: not timed
@@ -300,6 +301,12 @@ def wire_bytes(model: RandomModel, dtype: str) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(wire) for _, p in model.named_parameters()]).view(torch.uint8)
 
 
+def ceiling_device(backend: str, device: torch.device) -> torch.device:
+    """Where the raw ceiling's tensor lives: host memory for gloo (its best case, and where the
+    broadcaster puts gloo's wire tensors too), else the rank's device."""
+    return device if backend != "gloo" else torch.device("cpu")
+
+
 def case_backend(args: argparse.Namespace, n: int) -> str:
     """The backend the broadcaster's epoch will use with `n` receivers (weight_sync.group)."""
     return epoch_backend(
@@ -313,7 +320,7 @@ def raw_broadcasts(
     group = make_group(
         backend, store, 0, n + 1, epoch=0, prefix=RAW_PREFIX, connect_timeout_s=120, op_timeout_s=300
     )
-    on = device if backend != "gloo" else torch.device("cpu")  # gloo's best case: host memory
+    on = ceiling_device(backend, device)
     flat = data.to(on)
     done = torch.zeros(1, device=on)
     times = []
@@ -411,12 +418,13 @@ def main() -> int:
     )
     with console.status("timing the learner's own work per publish"):
         produce = produce_only(args, model)
+    wire = wire_bytes(model, args.dtype)  # once: every receiver count's ceiling sends these bytes
     cases = []
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("receiver counts", total=len(args.receivers))
         for n in args.receivers:
             progress.update(task, description=f"{n} receiver(s)")
-            cases.append(run_case(args, model, n, nbytes))
+            cases.append(run_case(args, model, n, wire))
             progress.advance(task)
     table = Table(title="weight sync: time to deliver one version to every receiver (median)")
     for col in (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weight_sync.checksums import ChecksumWorker, SlotHasher, piece_wsum, wsum_words
+from weight_sync.checksums import ChecksumWorker, PieceSummer, SlotHasher, piece_wsum, wsum_words
 from weight_sync.layout import (
     TensorSpec,
     empty_bucket,
@@ -146,6 +146,22 @@ def test_wsum32_values_are_pinned():
     values = [wsum_words([piece_wsum(torch.arange(64, dtype=d), 5)])[0] for d in (torch.int64, torch.float32)]
     values.append(wsum_words([piece_wsum(torch.arange(64, dtype=torch.float32).to(torch.bfloat16), 5)])[0])
     assert values == PINNED_WSUMS
+
+
+def test_piece_summer_gives_one_word_per_piece_in_order():
+    tensors = make_tensors()
+    bucket = one_bucket(tensors)
+    flat = pack_bucket(bucket, tensors, empty_bucket(bucket))
+    bounds = piece_bounds(bucket, 100)
+    summer = PieceSummer(bucket, index=3)
+    for lo, hi in bounds:
+        assert not summer.done
+        summer.update(flat[lo:hi], lo)
+    assert summer.done
+    assert summer.sums == wsum_words([piece_wsum(flat[lo:hi], lo) for lo, hi in bounds])
+    assert summer.labels[0] == "bucket 3 elements 0+ (emb)" and len(summer.labels) == len(bounds)
+    with pytest.raises(ValueError, match="pieces must come in order"):
+        PieceSummer(bucket, 0).update(flat[bounds[1][0] : bounds[1][1]], bounds[1][0])
 
 
 PINNED_WSUMS = [121441721184, 117293711360, 148520456000]

@@ -37,9 +37,12 @@ class SlotHasher:
         self._next = 0  # first element not hashed yet
 
     def update(self, piece: torch.Tensor, lo: int) -> None:
-        """`piece`: elements `[lo, lo + piece.numel())` of the bucket, on the host."""
+        """`piece`: elements `[lo, lo + piece.numel())` of the bucket (copied to the host first
+        when it is on an accelerator)."""
         if lo != self._next:
             raise ValueError(f"piece at element {lo}, expected {self._next}: pieces must come in order")
+        if piece.device.type != "cpu":
+            piece = piece.cpu()
         hi = lo + piece.numel()
         slots = self.bucket.slots
         while len(self.sums) < len(slots):
@@ -63,6 +66,11 @@ class SlotHasher:
     @property
     def done(self) -> bool:
         return len(self.sums) == len(self.bucket.slots)
+
+    @property
+    def labels(self) -> list[str]:
+        """What each checksum covers, for error messages: the tensors' names."""
+        return [slot.name for slot in self.bucket.slots]
 
 
 class ChecksumWorker:
@@ -136,3 +144,33 @@ def wsum_words(sums: list[torch.Tensor]) -> list[int]:
     if not sums:
         return []
     return [v & _U64 for v in torch.stack(sums).tolist()]
+
+
+class PieceSummer:
+    """The wsum32 words of one bucket's pieces, fed in order, on the pieces' device: a
+    receiver's wsum32 counterpart of `SlotHasher` (same `update`, `done`, `sums`, `labels`)."""
+
+    def __init__(self, bucket: Bucket, index: int) -> None:
+        self.bucket = bucket
+        self.index = index  # the bucket's position in the layout, for labels
+        self.labels: list[str] = []  # what each word covers: "bucket i elements lo+ (tensor)"
+        self._pending: list[torch.Tensor] = []  # 0-dim sums, not synchronised yet
+        self._next = 0  # first element not summed yet
+
+    def update(self, piece: torch.Tensor, lo: int) -> None:
+        """`piece`: elements `[lo, lo + piece.numel())` of the bucket, on any device."""
+        if lo != self._next:
+            raise ValueError(f"piece at element {lo}, expected {self._next}: pieces must come in order")
+        self._pending.append(piece_wsum(piece, lo))
+        name = next((s.name for s in self.bucket.slots if s.offset <= lo < s.offset + s.numel), "?")
+        self.labels.append(f"bucket {self.index} elements {lo}+ ({name})")
+        self._next = lo + piece.numel()
+
+    @property
+    def done(self) -> bool:
+        return self._next >= self.bucket.numel
+
+    @property
+    def sums(self) -> list[int]:
+        """One word per piece (synchronises with the device)."""
+        return wsum_words(self._pending)

@@ -56,7 +56,7 @@ from weight_sync.announcements import (
     sums_key,
 )
 from weight_sync.buffers import BufferPool
-from weight_sync.checksums import WIRE_CHECKSUMS, SlotHasher, piece_wsum, wsum_words
+from weight_sync.checksums import WIRE_CHECKSUMS, PieceSummer, SlotHasher
 from weight_sync.group import BroadcastGroup, CollectiveAborted, CollectiveError, make_group, wait_work
 from weight_sync.layout import decode_checksums, piece_bounds, unpack_bucket
 from weight_sync.transfer_client import TransferError, pull_snapshot
@@ -71,14 +71,6 @@ _STORE_POLL_S = 0.005  # how often a wait for a store key asks the store
 class ReceivedWeights:
     version: int
     tensors: list[tuple[str, torch.Tensor]]  # every tensor of the model (views; never mutated)
-
-
-def bucket_names(bucket, start: int) -> str:
-    """The tensor at element `start` of a bucket, for error messages."""
-    for slot in bucket.slots:
-        if slot.offset <= start < slot.offset + slot.numel:
-            return slot.name
-    return "?"
 
 
 class _Rejoin(Exception):
@@ -445,39 +437,20 @@ class WeightReceiver:
             works.extend(group.broadcast_async(piece) for _, _, piece in pieces)
             sums: list[int] = []
             first = 0
-            hasher: SlotHasher | None = None
-            piece_sums: list[torch.Tensor] = []
+            check: SlotHasher | PieceSummer | None = None
             for (i, lo, piece), work in zip(pieces, works):
                 wait_work(work, self.cfg.publish_timeout_s, abandoned, _POLL_S)
-                bucket = ann.buckets[i]
-                if ann.checksum != "xxh3":  # wsum32: on the piece's device, one word per piece
-                    if lo == 0:
-                        piece_sums, starts = [], []
-                    piece_sums.append(piece_wsum(piece, lo))
-                    starts.append(lo)
-                    if lo + piece.numel() < bucket.numel:
-                        continue
-                    got = wsum_words(piece_sums)
-                    end = first + len(got)
-                    if len(sums) < end:
-                        sums = self._wait_sums(seq, end, abandoned)
-                    bad += [
-                        f"bucket {i} elements {start}+ ({bucket_names(bucket, start)})"
-                        for start, g, e in zip(starts, got, sums[first:end])
-                        if g != e
-                    ]
-                    first = end
+                if lo == 0:  # xxh3 per tensor on the host; wsum32 per piece on its device
+                    bucket = ann.buckets[i]
+                    check = SlotHasher(bucket) if ann.checksum == "xxh3" else PieceSummer(bucket, i)
+                check.update(piece, lo)  # verified while the next pieces arrive
+                if not check.done:
                     continue
-                if lo == 0:
-                    hasher = SlotHasher(bucket)
-                # verified while the next pieces arrive
-                hasher.update(piece if piece.device.type == "cpu" else piece.cpu(), lo)
-                if not hasher.done:
-                    continue
-                end = first + len(bucket.slots)
+                got = check.sums
+                end = first + len(got)
                 if len(sums) < end:
                     sums = self._wait_sums(seq, end, abandoned)
-                bad += [s.name for s, g, e in zip(bucket.slots, hasher.sums, sums[first:end]) if g != e]
+                bad += [label for label, g, e in zip(check.labels, got, sums[first:end]) if g != e]
                 first = end
         except CollectiveError as e:
             self._drop_group(pending=[works, flats])
