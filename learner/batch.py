@@ -29,37 +29,43 @@ class TokenBatch:
 
 
 def collate(trajs: Sequence[Trajectory], pad_id: int) -> TokenBatch:
-    rows = []
-    for t in trajs:
-        p = np.asarray(t.arrays["prompt_ids"], dtype=np.int64)
-        c = np.asarray(t.arrays["completion_ids"], dtype=np.int64)
-        # Multi-turn trajectories mark environment tokens with loss_mask 0: not trained on.
-        m = t.arrays.get("loss_mask")
-        m = np.ones(len(c), dtype=bool) if m is None else np.asarray(m).astype(bool)
-        rows.append((p, c, np.asarray(t.arrays["behaviour_logprobs"], dtype=np.float32), m))
-    width = max(len(p) + len(c) for p, c, _, _ in rows)
-    b = len(rows)
-    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    comp = torch.zeros((b, width - 1), dtype=torch.bool)
-    behav = torch.zeros((b, width - 1), dtype=torch.float32)
-    for i, (p, c, lp, m) in enumerate(rows):
-        n = len(p) + len(c)
-        input_ids[i, :n] = torch.from_numpy(np.concatenate([p, c]))
-        attn[i, :n] = 1
-        # target position j predicts token j+1: completion tokens are targets len(p)-1 .. n-2
-        comp[i, len(p) - 1 : n - 1] = torch.from_numpy(m)
-        behav[i, len(p) - 1 : n - 1] = torch.from_numpy(lp)
+    """Right-padded tensors of a batch, built with a handful of numpy ops over the whole
+    batch (a per-row loop of tensor writes cost ~9% of a tiny model's step)."""
+    prompts = [np.asarray(t.arrays["prompt_ids"]) for t in trajs]
+    comps = [np.asarray(t.arrays["completion_ids"]) for t in trajs]
+    p_len = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(trajs))
+    n_len = p_len + np.fromiter((len(c) for c in comps), dtype=np.int64, count=len(trajs))
+    width = int(n_len.max())
+    col = np.arange(width)
+    filled = col[None, :] < n_len[:, None]  # [B, L]: prompt + completion positions
+    input_ids = np.full((len(trajs), width), pad_id, dtype=np.int64)
+    input_ids[filled] = np.concatenate([x for pc in zip(prompts, comps) for x in pc])
+    # target position j predicts token j+1: completion tokens are targets len(p)-1 .. n-2
+    col = col[: width - 1]
+    targets = (col[None, :] >= p_len[:, None] - 1) & (col[None, :] < n_len[:, None] - 1)
+    behav = np.zeros((len(trajs), width - 1), dtype=np.float32)
+    behav[targets] = np.concatenate([np.asarray(t.arrays["behaviour_logprobs"]) for t in trajs])
+    # Multi-turn trajectories mark environment tokens with loss_mask 0: not trained on.
+    comp = targets.copy()
+    if any("loss_mask" in t.arrays for t in trajs):
+        comp[targets] = np.concatenate([_loss_mask(t) for t in trajs])
+    ids = torch.from_numpy(input_ids)
     return TokenBatch(
-        input_ids=input_ids,
-        attention_mask=attn,
-        targets=input_ids[:, 1:],
-        completion_mask=comp,
-        behaviour_logprobs=behav,
+        input_ids=ids,
+        attention_mask=torch.from_numpy(filled.astype(np.int64)),
+        targets=ids[:, 1:],
+        completion_mask=torch.from_numpy(comp),
+        behaviour_logprobs=torch.from_numpy(behav),
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         versions=torch.tensor([t.version for t in trajs], dtype=torch.long),
         group_ids=[t.group_id for t in trajs],
     )
+
+
+def _loss_mask(t: Trajectory) -> np.ndarray:
+    m = t.arrays.get("loss_mask")
+    n = len(t.arrays["completion_ids"])
+    return np.ones(n, dtype=bool) if m is None else np.asarray(m).astype(bool)
 
 
 def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:

@@ -43,6 +43,7 @@ from sluice.config.policy import policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer
+from sluice.launch.threads import role_threads
 from sluice.metrics import JsonlLog
 from sluice.modeling.policy import materialize_policy_dir
 from sluice.security import secure_context
@@ -84,7 +85,7 @@ class Learner:
         self.suffix = role_suffix(cfg, policy_id)
         self.stop = stop
         lc = cfg.learner
-        torch.set_num_threads(lc.torch_threads)
+        torch.set_num_threads(role_threads(lc.torch_threads))
         torch.manual_seed(cfg.run.seed)
         # Before joining the group: with torch.distributed up, transformers' save_pretrained
         # writes nothing on ranks other than 0, so a rank building the directory would not.

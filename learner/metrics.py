@@ -3,13 +3,17 @@
 Rank 0 of each learner group writes `metrics/learner[-<policy>].jsonl` and TensorBoard; every
 rank serves Prometheus. On resume from version c the JSONL keeps its lines up to c (later
 lines belong to a lineage that was lost) and TensorBoard purges steps after c, so the
-metrics continue where the checkpoint did.
+metrics continue where the checkpoint did. JSONL lines and TensorBoard scalars are written by
+a thread of their own: building ~35 TensorBoard events took ~8% of a tiny model's step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +71,10 @@ class LearnerMetrics:
 
                 purge = resumed_at + 1 if resumed_at is not None else None
                 self.tb = SummaryWriter(log_dir=str(cfg.run_dir / f"tb{suffix}"), purge_step=purge)
+        self._records: queue.SimpleQueue[tuple[int, dict[str, Any]] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="learner-metrics", daemon=True)
+        if rank == 0:
+            self._writer.start()
 
     def start(self) -> None:
         record_endpoint(self.cfg.run_dir, self.role, metrics_port=self.prom.start())
@@ -80,16 +88,26 @@ class LearnerMetrics:
         for k, g in self.gauges.items():
             if isinstance(values.get(k), (int, float)):
                 g.set(values[k])
-        if self.log is not None and version % self.cfg.learner.log_every == 0:
-            self.log.write({"version": version, **values})
-        if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)):
+        if self.rank == 0:
+            self._records.put((version, {"time": time.time(), "version": version, **values}))
+
+    def _write_loop(self) -> None:
+        while (item := self._records.get()) is not None:
+            version, record = item
+            if version % self.cfg.learner.log_every == 0:
+                self.log.write(record)
+            if self.tb is None:
+                continue
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k not in ("time", "version"):
                     self.tb.add_scalar(f"learner/{k}", v, version)
-            for lag, count in enumerate(values.get("staleness_hist", [])):
+            for lag, count in enumerate(record.get("staleness_hist", [])):
                 self.tb.add_scalar(f"staleness/lag_{lag}", count, version)
 
     def close(self) -> None:
+        if self._writer.is_alive():
+            self._records.put(None)  # written to the end before the files close
+            self._writer.join()
         if self.log is not None:
             self.log.close()
         self.prom.stop()

@@ -9,7 +9,6 @@ over micro-batches and ranks, then averaged over updates.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,7 +64,9 @@ class Trainer:
     def train_step(self, trajs: Sequence[Trajectory]) -> dict[str, float]:
         lc, obj, be = self.cfg.learner, self.objective, self.backend
         prepared = obj.prepare(be.module, trajs, self.dist)
-        sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+        # Statistics stay where the loss is until the step ends: one host copy per step, not
+        # one sync per statistic and micro-batch (each a device sync on an accelerator).
+        sums: dict[str, torch.Tensor] = {}
         maxima: dict[str, torch.Tensor] = {}
         norms = []
         for _ in range(lc.epochs):
@@ -77,14 +78,14 @@ class Trainer:
                         loss, stats = obj.loss(be.module, piece, denom)
                         be.backward(loss)
                     for k, v in stats.items():
-                        v = v.detach().double().cpu()
+                        v = v.detach().double()
                         if k in obj.max_stats():
-                            maxima[k] = torch.maximum(maxima.get(k, v), v)
+                            maxima[k] = torch.maximum(maxima[k], v) if k in maxima else v
                         else:
-                            sums[k] += v
+                            sums[k] = sums[k] + v if k in sums else v
                 norms.append(be.step())
         return self.reduce_stats(sums, maxima, updates=lc.epochs * lc.minibatches) | {
-            "grad_norm": sum(norms) / len(norms),
+            "grad_norm": float(torch.stack([torch.as_tensor(n).double().cpu() for n in norms]).mean()),
             "lr": be.lr(),
         }
 
@@ -99,10 +100,10 @@ class Trainer:
         names = sorted(sums)
         out: dict[str, float] = {}
         if names:
-            total = self.dist.all_reduce(torch.stack([sums[k] for k in names]))
+            total = self.dist.all_reduce(torch.stack([sums[k] for k in names]).cpu())
             out.update({k: float(v) / updates for k, v in zip(names, total)})
         names = sorted(maxima)
         if names:
-            top = self.dist.all_reduce(torch.stack([maxima[k] for k in names]), op="max")
+            top = self.dist.all_reduce(torch.stack([maxima[k] for k in names]).cpu(), op="max")
             out.update({k: float(v) for k, v in zip(names, top)})
         return out

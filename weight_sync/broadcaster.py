@@ -29,6 +29,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -162,6 +163,8 @@ class WeightBroadcaster:
         self._host_buffers = BufferPool(torch.device("cpu"), pin=device.type != "cpu")
         self._force_full = True  # members may lack the delta base (new epoch, a refusal)
         self._phases = (0.0, 0.0)  # the last _send's (send, confirm) seconds
+        # the checksum thread, kept across publishes (ChecksumWorker)
+        self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-checksums")
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -196,6 +199,7 @@ class WeightBroadcaster:
         )
 
     def close(self, leave_wait_s: float = 3.0) -> None:
+        self._hash_pool.shutdown(wait=True)
         if self.store is None:
             return
         self._announce(self.membership.next_seq(), ShutdownAnnouncement())
@@ -400,7 +404,7 @@ class WeightBroadcaster:
             store.append(sums_key(seq), encode_checksums(bucket_sums))
 
         on_hashed = append_sums if group is not None and not wire_sums else None
-        worker = None if sums is not None else ChecksumWorker(on_hashed)
+        worker = None if sums is not None else ChecksumWorker(on_hashed, self._hash_pool)
         inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()
         error: CollectiveError | None = None
         liveness = _Liveness(self.store, group, self.cfg.liveness_timeout_s) if group else None

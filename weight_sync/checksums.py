@@ -77,11 +77,18 @@ class ChecksumWorker:
     """Hashes pieces in a background thread, in the order they are added. When a bucket's
     last piece is hashed, `on_bucket(i, sums)` is called in that thread (the broadcaster
     appends the sums to the store there). `finish()` waits and returns every bucket's sums;
-    it raises what a hash or `on_bucket` raised."""
+    it raises what a hash or `on_bucket` raised. `pool`: a one-thread executor kept across
+    publishes by its owner (starting a thread per publish was the largest fixed cost of
+    publishing a tiny model); None: a pool of its own, shut down by `finish()`."""
 
-    def __init__(self, on_bucket: Callable[[int, list[int]], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_bucket: Callable[[int, list[int]], None] | None = None,
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.on_bucket = on_bucket
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-checksums")
+        self._own_pool = pool is None
+        self._pool = pool or ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-checksums")
         self._futures: list[Future] = []
         self._hashers: dict[int, SlotHasher] = {}
         self._sums: dict[int, list[int]] = {}
@@ -103,7 +110,8 @@ class ChecksumWorker:
             for future in self._futures:
                 future.result()
         finally:
-            self._pool.shutdown(wait=True)
+            if self._own_pool:
+                self._pool.shutdown(wait=True)
         return [self._sums[i] for i in sorted(self._sums)]
 
 

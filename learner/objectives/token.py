@@ -158,9 +158,9 @@ class TokenObjective(Objective[TokenPiece]):
             )
             loss = out.loss
             stats.update(
-                is_weight_mean=torch.tensor(out.is_weight_mean),
-                is_truncated_frac=torch.tensor(out.is_truncated_frac),
-                log_ratio_abs_mean=torch.tensor(out.log_ratio_abs_mean),
+                is_weight_mean=out.is_weight_mean,
+                is_truncated_frac=out.is_truncated_frac,
+                log_ratio_abs_mean=out.log_ratio_abs_mean,
             )
         elif c.type == "ppo":
             out = clipped_surrogate(
@@ -205,7 +205,7 @@ class TokenObjective(Objective[TokenPiece]):
             stats["kl_ref"] = kl.detach()
         if piece.empty:
             loss = loss * 0.0
-            stats = {k: torch.zeros(()) for k in stats}
+            stats = {k: torch.zeros_like(v) for k, v in stats.items()}
         return loss, stats
 
     def max_stats(self) -> tuple[str, ...]:
