@@ -7,19 +7,68 @@ between tokens where weights may change (see `engines/base.py` for the round pro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 
 from rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
+from rollout_svc.engines.lean_llama import LeanLlamaDecoder, unsupported_reason
 from sluice.modeling import load_policy
+
+log = logging.getLogger(__name__)
+
+
+class TransformersDecoder:
+    """The model's own forward with a DynamicCache: serves every architecture transformers
+    does (the lean decoder's interface: `start`, then `step` per token)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def start(self, ids: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
+        self.mask = valid.long()
+        self.padded = not bool(valid.all())  # no padding: no mask for the model to build
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids, attention_mask=self.mask if self.padded else None,
+            position_ids=self.positions, use_cache=True,
+        )  # fmt: skip
+        self.cache = out.past_key_values
+        return out.logits[:, -1]
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.positions = self.positions[:, -1:] + 1
+        out = self.model(
+            input_ids=tokens[:, None], attention_mask=self.mask if self.padded else None,
+            position_ids=self.positions, past_key_values=self.cache, use_cache=True,
+        )  # fmt: skip
+        self.cache = out.past_key_values
+        return out.logits[:, -1]
+
+
+def build_decoder(model: torch.nn.Module, choice: str) -> LeanLlamaDecoder | TransformersDecoder:
+    """`rollout.hf_decoder`: lean where it reproduces the model (auto), or as asked."""
+    if choice == "transformers":
+        return TransformersDecoder(model)
+    reason = unsupported_reason(model)
+    if reason is None:
+        return LeanLlamaDecoder(model)
+    if choice == "lean":
+        raise ValueError(f"rollout.hf_decoder=lean: {reason}")
+    log.info("hf engine: transformers forward for decoding (%s)", reason)
+    return TransformersDecoder(model)
 
 
 class HFEngine(Engine):
-    def __init__(self, model_dir, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> None:
+    def __init__(
+        self, model_dir, dtype: str = "float32", device: str = "cpu", seed: int = 0, decoder: str = "auto"
+    ) -> None:
         self.model, self.tokenizer = load_policy(model_dir, dtype, device)
         self.model.eval()
+        self.decoder = build_decoder(self.model, decoder)
         self.device = torch.device(device)
         self.version = 0
         self.max_model_len = int(self.model.config.max_position_embeddings)
@@ -32,40 +81,49 @@ class HFEngine(Engine):
     def _decode_round(
         self, seqs: list[SequenceState], params: SamplingParams, interrupt: InterruptPoll | None
     ) -> WeightUpdate | None:
-        rows = [s.prefix for s in seqs]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):  # left padding: every row's last prefix token is aligned
-            ids[i, width - len(r) :] = torch.tensor(r)
-            mask[i, width - len(r) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        """Sampled tokens and log-probs stay in tensors until the round ends (no per-token
+        Python work per sequence)."""
+        steps = max(s.remaining for s in seqs)
+        ids, valid = self._left_padded([s.prefix for s in seqs])
+        logits = self.decoder.start(ids, valid, steps)
+        budget = torch.tensor([s.remaining for s in seqs], device=self.device)
         live = torch.tensor([s.active for s in seqs], device=self.device)
-        for _ in range(max(s.remaining for s in seqs)):
+        tokens = torch.empty((len(seqs), steps), dtype=torch.long, device=self.device)
+        logps = torch.empty((len(seqs), steps), dtype=torch.float32, device=self.device)
+        alive = torch.empty((len(seqs), steps), dtype=torch.bool, device=self.device)
+        update, done = None, 0
+        for step in range(steps):
             logp = F.log_softmax(logits.float() / params.temperature, dim=-1)
             tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
-            tok_lp = logp.gather(-1, tok[:, None]).squeeze(-1)
-            for i in live.nonzero().flatten().tolist():
-                seqs[i].append(int(tok[i]), float(tok_lp[i]), self.version, self.eos_id)
-            live = torch.tensor([s.active for s in seqs], device=self.device)
+            tokens[:, step], logps[:, step], alive[:, step] = tok, logp.gather(-1, tok[:, None])[:, 0], live
+            done = step + 1
+            live = live & (tok != self.eos_id) & (budget > done)
             if not bool(live.any()):
-                return None
+                break
             if interrupt is not None and (update := interrupt()) is not None:
-                return update
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self.model(
-                input_ids=tok[:, None],
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits = out.past_key_values, out.logits[:, -1]
-        return None
+                break
+            logits = self.decoder.step(tok)
+        self._append(seqs, tokens[:, :done], logps[:, :done], alive[:, :done])
+        return update
+
+    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefixes left-padded to one width (every row's last token aligned), and where the
+        real tokens are."""
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        valid = torch.zeros((len(rows), width), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r) :] = torch.tensor(r)
+            valid[i, width - len(r) :] = True
+        return ids.to(self.device), valid.to(self.device)
+
+    def _append(self, seqs: list[SequenceState], tokens, logps, alive) -> None:
+        """Hand the round's samples to the sequences (one host copy for the whole round)."""
+        tokens, logps, alive = tokens.cpu().tolist(), logps.cpu().tolist(), alive.cpu().tolist()
+        for seq, toks, lps, keep in zip(seqs, tokens, logps, alive):
+            for tok, lp, k in zip(toks, lps, keep):
+                if k:
+                    seq.append(tok, lp, self.version, self.eos_id)
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

