@@ -26,6 +26,7 @@ from rollout_svc.envs.segment import Segment
 from sluice.config.policy import policy_of_service, policy_view
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
+from sluice.launch.threads import role_threads
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.modeling.policy import load_policy_model, materialize_policy_dir
 from sluice.security import secure_context
@@ -76,7 +77,7 @@ class EnvRolloutService:
         self.index = index
         self.stop = stop
         self.service_id = f"rollout-{index}"
-        torch.set_num_threads(cfg.rollout.torch_threads)
+        torch.set_num_threads(role_threads(cfg.rollout.torch_threads))
         model, _ = load_policy_model(cfg, materialize_policy_dir(cfg), torch.device("cpu"))
         self.actor = MLPActor(model, seed=cfg.rollout.seed + 1000 * index)
         self.runner = GymRunner(cfg.env, seed=cfg.env.seed + 10000 * index)
@@ -160,14 +161,15 @@ class EnvRolloutService:
         if not self.cfg.control.admission:
             return True, 0.0
         while not self.stop.is_set() and not self.receiver.finished.is_set():
-            reply = self.control.admit(self.service_id, n, n)
+            reply = self.control.admit(self.service_id, n, n, self.cfg.control.admit_wait_ms)
             if reply.granted:
                 if self.catch_up(reply.weights_version):
                     return True, time.perf_counter() - t0
                 self.control.refund(self.service_id, reply.granted)
                 break
             self.maybe_heartbeat()
-            time.sleep(reply.retry_after_ms / 1000.0)
+            if reply.retry_after_ms:  # a long-polled refusal has waited at the server already
+                time.sleep(reply.retry_after_ms / 1000.0)
             self.apply_new_weights()
         return False, time.perf_counter() - t0
 

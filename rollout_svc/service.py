@@ -33,6 +33,7 @@ from rollout_svc.tasks.registry import build_task
 from rollout_svc.weights import ReceiverFeed, VersionFeed, WeightFeed
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
+from sluice.launch.threads import role_threads
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.rpc import RpcError
 from sluice.security import secure_context
@@ -68,7 +69,7 @@ class RolloutService:
         if rc.engine != "sim":
             import torch
 
-            torch.set_num_threads(rc.torch_threads)
+            torch.set_num_threads(role_threads(rc.torch_threads))
         self.engine: Engine = build_engine(cfg, rc.seed + 1000 * index)
         self.task: Task = build_task(cfg.task, seed=cfg.run.seed * 7919 + index)
         self.tokenizer = self.engine.tokenizer
@@ -207,7 +208,7 @@ class RolloutService:
             return want, 0.0
         t0 = time.perf_counter()
         while not self.stop.is_set() and not self.weights.done:
-            reply = self.control.admit(self.control_id, want, rc.group_size)
+            reply = self.control.admit(self.control_id, want, rc.group_size, self.cfg.control.admit_wait_ms)
             self.weights.observe(reply.weights_version)
             if reply.granted:
                 # With no staleness slack, a sample begun on older weights is always dropped.
@@ -218,7 +219,8 @@ class RolloutService:
                     self.control.refund(self.control_id, reply.granted)
                     break
                 return reply.granted, time.perf_counter() - t0
-            time.sleep(reply.retry_after_ms / 1000.0)
+            if reply.retry_after_ms:  # a long-polled refusal has waited at the server already
+                time.sleep(reply.retry_after_ms / 1000.0)
             self.apply_new_weights()
         return 0, time.perf_counter() - t0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import msgspec
@@ -128,3 +129,75 @@ def test_a_silent_service_is_forgotten_and_its_undelivered_quota_released():
         gone.close()
         alive.close()
         server.close()
+
+
+def _admit_in_thread(endpoint: str, service: str, wait_ms: int) -> tuple[threading.Thread, list]:
+    """An ADMIT long-poll from its own client (clients are not shared between threads)."""
+    out: list = []
+
+    def ask():
+        client = ControlClient(endpoint, timeout_s=5)
+        try:
+            out.append(client.admit(service, 8, 4, wait_ms=wait_ms))
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def _wait_parked(server: ControlServer, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(server._parked) < n:
+        assert time.monotonic() < deadline, "ADMIT never parked"
+        time.sleep(0.005)
+
+
+def test_long_polled_admit_is_answered_when_the_learner_publishes(control):
+    server, client, endpoint = control
+    assert client.admit("rollout-0", 8, 4).granted == 8  # quota (8) used up
+    thread, out = _admit_in_thread(endpoint, "rollout-0", wait_ms=60_000)
+    _wait_parked(server, 1)
+    assert not out  # no answer while there is no room
+    server.set_published(1)  # from this (the learner's) thread: wakes the server
+    thread.join(timeout=10)
+    assert out and out[0].granted == 8 and out[0].weights_version == 1 and out[0].retry_after_ms == 0
+
+
+def test_long_polled_admit_times_out_with_nothing_granted(control):
+    _, client, _ = control
+    assert client.admit("rollout-0", 8, 4).granted == 8
+    reply = client.admit("rollout-0", 8, 4, wait_ms=50)
+    assert reply.granted == 0 and reply.retry_after_ms == 0  # waited at the server: ask again now
+
+
+def test_long_polled_admits_are_served_in_arrival_order_and_woken_by_refunds(control):
+    server, client, endpoint = control
+    assert client.admit("rollout-0", 8, 4).granted == 8
+    first, out_first = _admit_in_thread(endpoint, "rollout-1", wait_ms=60_000)
+    _wait_parked(server, 1)
+    second, out_second = _admit_in_thread(endpoint, "rollout-2", wait_ms=60_000)
+    _wait_parked(server, 2)
+    client.refund("rollout-0", 4)  # one group's room: the first waiter's
+    first.join(timeout=10)
+    assert out_first and out_first[0].granted == 4 and not out_second
+    server.release(4)  # a dropped group (from a learner thread): the second waiter's
+    second.join(timeout=10)
+    assert out_second and out_second[0].granted == 4
+
+
+def test_closing_answers_parked_admits():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = ControlServer(endpoint, AdmissionPolicy(batch_size=4, max_staleness=0), ctx=zmq.Context())
+    server.start()
+    client = ControlClient(endpoint, timeout_s=5)
+    try:
+        assert client.admit("rollout-0", 4, 4).granted == 4
+        thread, out = _admit_in_thread(endpoint, "rollout-1", wait_ms=60_000)
+        _wait_parked(server, 1)
+    finally:
+        client.close()
+        server.close()
+    thread.join(timeout=10)
+    assert out and out[0].granted == 0

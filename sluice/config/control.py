@@ -17,6 +17,9 @@ class ControlConfig(Section):
     admission: bool = True
     """Rollouts ask before starting samples, so none is started that would be too stale
     when consumed (AReaL's rule; see sluice/control/admission.py)."""
+    admit_wait_ms: int = Field(500, ge=0)
+    """A rollout refused quota waits at the control server up to this long and is answered the
+    moment quota frees up (a long poll); 0: it sleeps the server's retry_after_ms and asks again."""
     heartbeat_s: float = Field(2.0, gt=0)
     """How often roles report their live numbers."""
     service_timeout_s: float = Field(30.0, gt=0)

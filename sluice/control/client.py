@@ -31,11 +31,13 @@ class ControlClient:
         self.conn = RpcConnection(self.ctx, endpoint, name="control", reply_decoder=reply_decoder)
         self.timeout_s = timeout_s
 
-    def admit(self, service_id: str, n: int, group_size: int) -> AdmitReply:
+    def admit(self, service_id: str, n: int, group_size: int, wait_ms: int = 0) -> AdmitReply:
+        """`wait_ms` > 0 long-polls: the reply comes when quota frees up or after wait_ms."""
         req = AdmitRequest(
-            proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, n=n, group_size=group_size
-        )
-        return self.conn.request(req, timeout_s=self.timeout_s)[0]
+            proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, n=n,
+            group_size=group_size, wait_ms=wait_ms,
+        )  # fmt: skip
+        return self.conn.request(req, timeout_s=self.timeout_s + wait_ms / 1000)[0]
 
     def refund(self, service_id: str, n: int) -> None:
         req = RefundRequest(proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, n=n)

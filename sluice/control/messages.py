@@ -25,6 +25,9 @@ class AdmitRequest(_Request, tag="ADMIT"):
     service_id: str  # W: rollout. R: learner (per-service accounting)
     n: int  # W: rollout, samples it wants to start now
     group_size: int = 1  # W: rollout; grants are whole groups
+    # W: rollout. R: server: with nothing to grant, hold the request up to this long and answer
+    # as soon as quota frees up (a publish, a release, a refund); 0 answers at once.
+    wait_ms: int = 0
 
 
 class RefundRequest(_Request, tag="REFUND"):

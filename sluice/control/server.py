@@ -6,6 +6,12 @@ ErrorReply naming the field and the server keeps serving. The learner thread pub
 version and stats through `set_version` / `update_learner` (under a lock); the server thread
 owns the socket.
 
+Admission long-polls: an ADMIT with `wait_ms` that finds no quota is parked (no reply yet)
+and answered, in arrival order, the moment quota frees up: a publish or a release from the
+learner's threads (they wake the server through a pipe it polls beside the socket) or a
+refund on the socket; else when its wait is over. A rollout that is ahead thus starts the
+instant its samples would be admitted, instead of sleeping in retry slices.
+
 Membership: a service is known from its first request. One whose last request is older than
 `service_timeout_s` is gone (killed, crashed, partitioned): the server forgets it and gives
 back the quota it was admitted for but did not deliver (as last reported in its heartbeats),
@@ -16,8 +22,10 @@ a new service id.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections import deque
 from typing import Protocol
 
 import zmq
@@ -89,6 +97,11 @@ class ControlServer:
         self.endpoint = bind
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="control-server", daemon=True)
+        # ADMITs waiting for quota: (envelope, request, deadline); served by the server thread
+        self._parked: deque[tuple[list[bytes], AdmitRequest, float]] = deque()
+        self._wake_r, self._wake_w = os.pipe()  # learner threads -> server thread: quota changed
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     # -- learner-facing ------------------------------------------------------------------------
 
@@ -103,12 +116,14 @@ class ControlServer:
         """Weights of `version` reached every receiver."""
         with self._lock:
             self._published = version
+        self._wake()
 
     def release(self, n: int) -> None:
         """The learner reports samples that were dropped instead of consumed."""
         if n:
             with self._lock:
                 self.admission.release(n)
+            self._wake()
 
     def attach_membership(self, registry: MembershipRegistry) -> None:
         """Serve JOIN / LEAVE / SYNC_REPORT with the learner's weight-sync membership (the
@@ -122,25 +137,66 @@ class ControlServer:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake()
         self._thread.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # a full pipe is a pending wake-up already
+            pass
 
     # -- thread --------------------------------------------------------------------------------
 
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not self.sock.poll(100):
-                    self._forget_gone_services()
-                    continue
-                frames = self.sock.recv_multipart(copy=False)
-                envelope, body = split_envelope(frames)
-                if envelope is None:
-                    continue
-                reply = self._handle(body)
-                self.sock.send_multipart([*envelope, *codec.encode(reply)])
+                ready = dict(poller.poll(self._poll_ms()))
+                if self._wake_r in ready:
+                    _drain(self._wake_r)
+                if self.sock in ready:
+                    self._serve_one()
+                self._serve_parked()
                 self._forget_gone_services()
+            self._serve_parked()  # stopping: every waiter gets its answer (0 if no room)
         finally:
             self.sock.close(linger=0)
+
+    def _poll_ms(self) -> int:
+        if not self._parked:
+            return 100
+        return max(0, min(100, int((self._parked[0][2] - time.monotonic()) * 1000) + 1))
+
+    def _serve_one(self) -> None:
+        frames = self.sock.recv_multipart(copy=False)
+        envelope, body = split_envelope(frames)
+        if envelope is None:
+            return
+        reply = self._handle(body)
+        if isinstance(reply, _Park):
+            self._parked.append((envelope, reply.request, time.monotonic() + reply.request.wait_ms / 1000))
+            return
+        self.sock.send_multipart([*envelope, *codec.encode(reply)])
+
+    def _serve_parked(self) -> None:
+        """Answer parked ADMITs in arrival order: those quota now admits, and those whose wait
+        is over (granted 0: ask again). One that still waits keeps those behind it waiting too,
+        so a service asking for a large grant is not overtaken forever by small ones."""
+        now = time.monotonic()
+        while self._parked:
+            envelope, req, deadline = self._parked[0]
+            with self._lock:
+                room = self.admission.quota(self._published) - self.admission.started
+                if room < req.group_size and now < deadline and not self._stop.is_set():
+                    break
+                reply = self._admit(req, park=False)
+            self._parked.popleft()
+            self.sock.send_multipart([*envelope, *codec.encode(reply)])
 
     def _handle(self, body):
         request_id = -1
@@ -180,17 +236,7 @@ class ControlServer:
         if hasattr(req, "service_id"):
             self._last_seen[req.service_id] = time.monotonic()
         if isinstance(req, AdmitRequest):
-            # Quota follows the published weights: admitted work is generated with them.
-            granted = self.admission.admit(req.service_id, req.n, req.group_size, self._published)
-            retry = 0 if granted >= req.n else self.retry_after_ms
-            return AdmitReply(
-                proto=p,
-                id=req.id,
-                granted=granted,
-                version=self._version,
-                weights_version=self._published,
-                retry_after_ms=retry,
-            )
+            return self._admit(req, park=req.wait_ms > 0)
         if isinstance(req, RefundRequest):
             if req.n < 0:
                 raise ValueError(f"n={req.n} must be >= 0")
@@ -226,9 +272,43 @@ class ControlServer:
             return self._membership_op(req)
         raise codec.ProtocolError("BAD_HEADER", f"unhandled op {type(req).__name__}")
 
+    def _admit(self, req: AdmitRequest, park: bool) -> AdmitReply | _Park:
+        """Under the lock. Quota follows the published weights: admitted work is generated
+        with them. Nothing to grant and `park`: the request waits (see _serve_parked)."""
+        if req.wait_ms < 0:
+            raise ValueError(f"wait_ms={req.wait_ms} must be >= 0")
+        if park and (self._parked or self.admission.quota(self._published) <= self.admission.started):
+            return _Park(req)  # behind earlier waiters, or no room: wait for quota
+        granted = self.admission.admit(req.service_id, req.n, req.group_size, self._published)
+        if granted == 0 and park:
+            return _Park(req)
+        return AdmitReply(
+            proto=PROTO_VERSION,
+            id=req.id,
+            granted=granted,
+            version=self._version,
+            weights_version=self._published,
+            retry_after_ms=0 if granted >= req.n or req.wait_ms > 0 else self.retry_after_ms,
+        )
+
     def _membership_op(self, req):
         if self._membership is None:
             raise codec.ProtocolError(
                 "BAD_HEADER", f"{type(req).__name__}: this control server serves no weight-sync membership"
             )
         return self._membership.handle(req)
+
+
+class _Park:
+    """What the dispatcher returns for an ADMIT that must wait for quota (no reply yet)."""
+
+    def __init__(self, request: AdmitRequest) -> None:
+        self.request = request
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
