@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -135,8 +135,10 @@ class LearnerConfig(Section):
     trail for exactly-once consumption)."""
     log_every: int = Field(1, ge=1)
     """Write a metrics line every k steps."""
-    torch_threads: int = Field(1, ge=1)
-    """intra-op threads of each learner process."""
+    torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    """intra-op (torch/OpenMP) threads of each learner process. auto: `sluice run` splits the
+    host's cores between the roles (sluice/launch/threads.py: a CPU rollout service 1, the CPU
+    learner the rest); a role started on its own takes OMP_NUM_THREADS, else its CPU affinity."""
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     """Where the learner trains: auto picks cuda, then npu, then cpu."""
     policies: list[str] = Field(["default"], min_length=1)

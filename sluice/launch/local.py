@@ -31,6 +31,7 @@ from sluice.config.loader import ENV_PREFIX, dump_config
 from sluice.config.policy import learner_role
 from sluice.config.run import RunConfig
 from sluice.launch.role import EXIT_FAILED, EXIT_OK
+from sluice.launch.threads import available_cores, plan_threads
 from sluice.metrics import JsonlLog
 from sluice.modeling.policy import materialize_policy_dir
 from sluice.net import free_port
@@ -82,7 +83,8 @@ def resolve_run_dir(cfg: RunConfig) -> None:
 
 
 def resolve(cfg: RunConfig) -> RunConfig:
-    """Fill in the run directory and free ports; the result is what every child reads."""
+    """Fill in the run directory, free ports and thread counts; the result is what every
+    child reads."""
     cfg = cfg.model_copy(deep=True)
     resolve_run_dir(cfg)
     b = cfg.buffer
@@ -102,7 +104,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
             weight_sync=ports.weight_sync or free_port(cfg.weight_sync.master_addr),
             dist=ports.dist or free_port(lc.master_addr),
         )
-    return cfg
+    return plan_threads(cfg, available_cores())
 
 
 class LocalLauncher:
