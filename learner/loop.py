@@ -306,17 +306,20 @@ class Learner:
         t0 = time.perf_counter()
         with self.trainer.backend.full_params():
             if self.dist.is_main:
-                stats = self.broadcaster.publish(self.version, self.trainer.model)
+                stats = self.broadcaster.publish(self.version, self.trainer.model, self._weights_out)
                 if stats.retried:
                     log.warning(
                         "weight sync v%d: group rebuilt during the publish (delivered=%s)",
                         stats.version,
                         stats.delivered,
                     )
-        if self.dist.is_main:
-            self.control.set_published(self.version)
-            self.control.set_version(self.version)  # admits new work once its weights are out
         return time.perf_counter() - t0
+
+    def _weights_out(self, version: int) -> None:
+        """Every member verified `version` (called by the broadcaster, maybe from its
+        confirmation thread): admission may now grant work on it."""
+        self.control.set_published(version)
+        self.control.set_version(version)
 
     def checkpoint(self) -> None:
         """Collective. Then rank 0 ACKs the leases whose effect the checkpoint holds."""

@@ -69,6 +69,51 @@ def wait_first_bucket(env: SyncEnv, seq: int, timeout_s: float = 20.0) -> None:
         time.sleep(0.001)
 
 
+def test_background_confirmation_reports_every_version_and_survives_a_killed_receiver(
+    env_factory, tmp_path
+):
+    """`confirm: background`: publish returns once sent; `on_confirmed` follows when every
+    member verified. A receiver killed after the sends is found by the confirmation (no
+    heartbeat), and the next publish forms a new epoch that reaches the survivors."""
+    cfg = small_cfg(confirm="background", publish_timeout_s=20, ready_timeout_s=3, liveness_timeout_s=2)
+    env = env_factory(cfg)
+    model = big_model()
+    probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
+    env.wait_members(3)
+    confirmed: list[int] = []
+    done = threading.Event()
+
+    def on_confirmed(version: int) -> None:
+        confirmed.append(version)
+        done.set()
+
+    stats = env.broadcaster.publish(1, model, on_confirmed)
+    assert stats.members == 3 and stats.confirm_seconds < 1e-3  # nothing awaited in publish
+    assert done.wait(timeout=20) and confirmed == [1]
+    for p in probes:
+        assert p.wait_version(1)["digest"] == model_digest(model)
+    victim = next(p for p in probes if p.service_id == env.broadcaster._members[-1])
+    victim.kill(signal.SIGKILL)
+    perturb(model)
+    # sent to a group with a dead member: the learner's own send fails (then it resends to the
+    # survivors at once, and confirms) or only the background confirmation finds out
+    second = env.broadcaster.publish(2, model, on_confirmed)
+    perturb(model)
+    t0 = time.monotonic()
+    stats = env.broadcaster.publish(3, model, on_confirmed)  # finds v2 unconfirmed, rebuilds
+    assert time.monotonic() - t0 < cfg.publish_timeout_s, "waited out the timeout, not the heartbeat"
+    assert stats.members == 2 and stats.delivered
+    survivors = [p for p in probes if p is not victim]
+    for p in survivors:
+        assert p.wait_version(3)["digest"] == model_digest(model)
+    done.clear()
+    deadline = time.monotonic() + 20
+    while 3 not in confirmed:
+        assert time.monotonic() < deadline, f"v3 never confirmed: {confirmed}"
+        time.sleep(0.01)
+    assert (2 in confirmed) == second.retried  # confirmed only where it was resent and verified
+
+
 def test_receiver_killed_mid_sync_does_not_hang_the_learner(env_factory, tmp_path):
     cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=3, liveness_timeout_s=2)
     env = env_factory(cfg, SlowGatherBroadcaster)

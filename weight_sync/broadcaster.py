@@ -29,7 +29,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -165,6 +165,9 @@ class WeightBroadcaster:
         self._phases = (0.0, 0.0)  # the last _send's (send, confirm) seconds
         # the checksum thread, kept across publishes (ChecksumWorker)
         self._hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-checksums")
+        # `confirm: background`: the members' reports of the last version, awaited here
+        self._confirm_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-confirm")
+        self._confirming: Future | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -202,6 +205,8 @@ class WeightBroadcaster:
         self._hash_pool.shutdown(wait=True)
         if self.store is None:
             return
+        self._finish_confirm()
+        self._confirm_pool.shutdown(wait=True)
         self._announce(self.membership.next_seq(), ShutdownAnnouncement())
         deadline = time.monotonic() + leave_wait_s
         while self.membership.registered() and time.monotonic() < deadline:
@@ -216,9 +221,16 @@ class WeightBroadcaster:
 
     # -- publishing ----------------------------------------------------------------------------
 
-    def publish(self, version: int, model: torch.nn.Module | ParamSource) -> PublishStats:
+    def publish(
+        self,
+        version: int,
+        model: torch.nn.Module | ParamSource,
+        on_confirmed: Callable[[int], None] | None = None,
+    ) -> PublishStats:
         """Deliver `version` of the weights to every member (rank 0) or take part in gathering
-        them (other learner ranks). Never raises for a receiver's failure."""
+        them (other learner ranks). Never raises for a receiver's failure. `on_confirmed(v)`
+        is called once every member verified `v`: before returning (`confirm: wait`), or from
+        the confirmation thread (`background`: this returns when the sends are done)."""
         t0 = time.perf_counter()
         source = self._source_for(model)
         layout = self._plan(source)
@@ -226,15 +238,17 @@ class WeightBroadcaster:
             self._gather_only(layout, source)
             return PublishStats(version, 0, time.perf_counter() - t0, 0, 0)
         assert self.store is not None, "start() first"
+        self._finish_confirm()
         self._handle_reports()
         if self.membership.needs_epoch() or self._broken:
             self._form_epoch()
         members = self.group.world_size - 1 if self.group else 0
+        later = self.cfg.confirm == "background" and self.group is not None
         if self.cfg.delta:
             snapshot = self._build_snapshot(version, layout, source, send=False)[0]
-            error, sent, delta_tensors = self._send_delta(snapshot)
+            error, sent, delta_tensors = self._send_delta(snapshot, confirm=not later)
         else:
-            snapshot, error = self._build_snapshot(version, layout, source, send=True)
+            snapshot, error = self._build_snapshot(version, layout, source, send=True, confirm=not later)
             sent, delta_tensors = snapshot.nbytes, -1
         retried = delivered = False
         if error is None:
@@ -251,6 +265,11 @@ class WeightBroadcaster:
                 self._abandon_epoch(error)
         if delivered and delta_tensors < 0:
             self._force_full = False
+        if delivered and later and not retried:
+            group = self.group
+            self._confirming = self._confirm_pool.submit(self._confirm, group, version, on_confirmed)
+        elif on_confirmed is not None:  # undelivered too: members pull the snapshot from here
+            on_confirmed(version)
         retired, self.snapshot = self.snapshot, snapshot
         if self.transfer is not None:
             self.transfer.publish(snapshot)
@@ -292,7 +311,7 @@ class WeightBroadcaster:
                 pass
 
     def _build_snapshot(
-        self, version: int, layout: list[Bucket], source: ParamSource, *, send: bool
+        self, version: int, layout: list[Bucket], source: ParamSource, *, send: bool, confirm: bool = True
     ) -> tuple[Snapshot, CollectiveError | None]:
         """Gather and pack bucket by bucket into a host snapshot, broadcasting each piece as
         soon as it is packed when `send` (and there is a group)."""
@@ -314,7 +333,7 @@ class WeightBroadcaster:
                         host[lo:hi].copy_(out[lo:hi])
                     yield (host if wire_on_host else out)[lo:hi], host[lo:hi], wsum
 
-        error, sums = self._send(version, layout, produce, None, send=send)
+        error, sums = self._send(version, layout, produce, None, send=send, confirm=confirm)
         return Snapshot(version, layout, flats, sums), error
 
     def _wire_device(self) -> torch.device:
@@ -331,7 +350,7 @@ class WeightBroadcaster:
             return self.cfg.checksum
         return "xxh3" if self._wire_device().type == "cpu" else "wsum32"
 
-    def _send_full(self, snapshot: Snapshot) -> CollectiveError | None:
+    def _send_full(self, snapshot: Snapshot, confirm: bool = True) -> CollectiveError | None:
         wire_device = self._wire_device()
 
         def produce(
@@ -341,13 +360,13 @@ class WeightBroadcaster:
                 wire = snapshot.flats[i][lo:hi].to(wire_device)
                 yield wire, None, piece_wsum(wire, lo) if wire_sums else None
 
-        return self._send(snapshot.version, snapshot.buckets, produce, snapshot.sums)[0]
+        return self._send(snapshot.version, snapshot.buckets, produce, snapshot.sums, confirm=confirm)[0]
 
-    def _send_delta(self, snapshot: Snapshot) -> tuple[CollectiveError | None, int, int]:
+    def _send_delta(self, snapshot: Snapshot, confirm: bool) -> tuple[CollectiveError | None, int, int]:
         """(error, bytes sent, tensors sent). Full when members may lack the base."""
         base = self.snapshot
         if base is None or self._force_full:
-            return self._send_full(snapshot), snapshot.nbytes, -1
+            return self._send_full(snapshot, confirm), snapshot.nbytes, -1
         changed = {t.name: t for t in snapshot.tensors() if base.checksum_of(t.name) != t.checksum}
         if self.group is None:
             return None, 0, len(changed)  # nobody to send to; the snapshot is what counts
@@ -365,7 +384,9 @@ class WeightBroadcaster:
                 wire = packed[lo:hi].to(wire_device)
                 yield wire, None, piece_wsum(wire, lo) if wire_sums else None
 
-        error, _ = self._send(snapshot.version, layout, produce, sums, base_version=base.version)
+        error, _ = self._send(
+            snapshot.version, layout, produce, sums, base_version=base.version, confirm=confirm
+        )
         return error, sum(b.nbytes for b in layout), len(changed)
 
     def _send(
@@ -377,6 +398,7 @@ class WeightBroadcaster:
         base_version: int = -1,
         *,
         send: bool = True,
+        confirm: bool = True,
     ) -> tuple[CollectiveError | None, list[list[int]]]:
         """Announce, then produce and broadcast piece by piece, keeping up to
         `pipeline_depth` broadcasts in flight. `sums`: the buckets' xxh3 checksums when known
@@ -446,7 +468,7 @@ class WeightBroadcaster:
             except CollectiveError as e:
                 error = e
         t_sent = time.perf_counter()
-        if error is None and group is not None:
+        if error is None and group is not None and confirm:  # else: _confirm, in the background
             error = self._await_reports(group, version, liveness)
         self._phases = (t_sent - t_start, time.perf_counter() - t_sent)
         if error is not None:
@@ -454,6 +476,27 @@ class WeightBroadcaster:
                 error = CollectiveError(f"{error}: no heartbeat from rank(s) {liveness.silent}")
             self._abandoned_works.append(list(inflight))  # released with the group, not here
         return error, sums
+
+    def _confirm(
+        self, group: BroadcastGroup, version: int, on_confirmed: Callable[[int], None] | None
+    ) -> CollectiveError | None:
+        """The confirmation thread (`confirm: background`): the members' reports of `version`
+        while the learner trains on. The main thread uses the store only after
+        `_finish_confirm`, so the two never share it."""
+        error = self._await_reports(group, version, _Liveness(self.store, group, self.cfg.liveness_timeout_s))
+        if error is None and on_confirmed is not None:
+            on_confirmed(version)
+        return error
+
+    def _finish_confirm(self) -> None:
+        """Wait for the last background confirmation (normally done long ago). A member that
+        failed it breaks the epoch: the next publish forms a new one and sends in full."""
+        if self._confirming is None:
+            return
+        error, self._confirming = self._confirming.result(), None
+        if error is not None:
+            self._abandon_epoch(error)
+            self._force_full = True
 
     def _await_reports(
         self, group: BroadcastGroup, version: int, liveness: _Liveness

@@ -51,6 +51,13 @@ class WeightSyncConfig(Section):
     computed on the device the bytes are on (no device-to-host copy, no CPU core; a checksum
     against transport faults, not a hash). auto: xxh3 on gloo epochs, wsum32 on nccl/hccl
     epochs. Snapshots, pulls and deltas always use xxh3."""
+    confirm: Literal["background", "wait"] = "background"
+    """When `publish` returns. wait: once every member reported the version verified.
+    background: once the learner's sends are done; the members' reports are awaited in a
+    thread while the learner trains its next step, the version counts as published (admission
+    follows it) when the last one arrives, and a member that fails is dealt with at the next
+    publish (a new epoch, that version sent in full). Measured: 4-6 ms a step off the learner's
+    critical path on the vs_trl workload (docs/architecture.md)."""
     pipeline_depth: int = Field(4, ge=1, le=256)
     """Pieces in flight at once: piece i+1 is cast while pieces up to i are on the wire. On
     an accelerator each in-flight piece holds its bucket's buffer on the device."""
