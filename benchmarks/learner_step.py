@@ -65,6 +65,9 @@ def measure(
         "samples_per_s": sum(r["samples"] for r in window) / elapsed,
         "tokens_per_s": sum(r["tokens"] for r in window) / elapsed,
         "wait_frac": sum(r["wait_s"] for r in window) / sum(r["step_s"] for r in window),
+        "s_per_step": elapsed / len(window),
+        # the learner's own time per step (compute, weight publish, checkpoint): step minus data wait
+        "busy_s_mean": sum(r["step_s"] - r["wait_s"] for r in window) / len(window),
         "compute_s_mean": sum(r["compute_s"] for r in window) / len(window),
         "sync_s_mean": sum(r["sync_s"] for r in window) / len(window),
         "staleness_mean": sum(r["staleness_mean"] for r in window) / len(window),

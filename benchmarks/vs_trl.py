@@ -1,0 +1,995 @@
+"""TRL's GRPOTrainer and Sluice side by side: the same model directory, task, batch, sampling,
+optimiser and loss, several seeds, time and steps to reward thresholds.
+
+Workload: a random-init Llama of 344,448 parameters (hidden 128, MLP 272, 2 layers, 4 heads x
+32, untied embeddings) over the `digits` vocabulary (a word-level tokenizer whose words are
+single characters: character level in effect), built ONCE per benchmark run with Sluice's own
+builder (`sluice.modeling.tiny.build_tiny_model`) and saved as a local Hugging Face directory
+that both systems load. Nothing is downloaded. Tasks: `copy` and `reverse` of 3 digits
+(`rollout_svc/tasks/digits.py`, partial-credit reward in [0, 1]). Each step: 8 prompts x 8
+completions, at most 12 new tokens, temperature 1.0, one AdamW update, lr 3e-4.
+
+Before the systems, the *bound*: plain torch on the same directory, (a) one training step
+(forward, backward, clip, AdamW on 64 padded sequences of prompt + 12 completion tokens) and
+(b) sampling 64 x 12 tokens with a KV cache, each the median of repeats after warm-up, with 1
+and 2 torch threads. Bound per step = max(train@1, generate@1): one core per phase, perfectly
+overlapped, which is the most two cores allow an asynchronous system.
+
+Stop rule: the 5-step trailing mean of the per-step mean reward reaches 0.9 (the first steps at
+which it reached 0.5 and 0.7 are recorded too), or `--max-steps`.
+- TRL runs in its own process (`--trl-worker`); a TrainerCallback records (step, reward, wall
+  time since on_train_begin) at each log (every step) and sets `should_training_stop`. Per
+  step: time in `_generate_and_score_completions` (generation + reward + advantages),
+  `training_step` minus that (forward + backward), and the rest of the step (clip, AdamW,
+  scheduler, zero_grad). Clock: on_train_begin.
+- Sluice runs as `python -m sluice.cli run CONFIG ... --no-progress` in its own process group;
+  `<run dir>/metrics/learner.jsonl` is tailed and the group gets SIGTERM once the rule is met
+  (SIGKILL after a grace period; leftover roles are killed by the pids in `endpoints/`). Its
+  reward is the learner's `reward_mean` (the batch trained at that step). Clock: the first
+  generation, i.e. min over rollout records of time - put_s - score_s - generate_s (the record
+  is written after the PUT). A vLLM engine's first generate includes its warm-up, so that is
+  inside the clock; `first_generate_s` reports it.
+Start-up (process start to clock start) is reported apart for both. Tokens/s: completion tokens
+trained per second of clock time, up to the 0.9 step (or the last step).
+
+Mapping of every setting (Sluice: `sluice run` overrides on top of `--sluice-config`,
+default configs/quickstart.yaml; TRL 1.16.0: GRPOConfig / trainer arguments):
+
+setting       Sluice                                     TRL
+------------  -----------------------------------------  ---------------------------------------------------
+model         model.path=<dir>                           AutoModelForCausalLM / AutoTokenizer
+                                                         .from_pretrained(<dir>)
+precision     model.dtype=float32                        bf16=False (GRPOConfig's default is True),
+                                                         use_cpu=True
+prompts       the task's sample(), seed run.seed * 7919  the same task class's sample(), seed seed * 7919,
+              + service index; ids [<bos>] + words       in an in-memory datasets.Dataset; text
+                                                         "<bos> " + prompt: the same ids (checked at start)
+batch         rollout.prompts_per_batch=8                per_device_train_batch_size=64, num_generations=8,
+              rollout.group_size=8                       gradient_accumulation_steps=1 (generation batch =
+              learner.batch_size=64                      train batch = 64)
+length        rollout.max_new_tokens=12                  max_completion_length=12
+sampling      rollout.temperature=1.0, full vocabulary,  temperature=1.0, top_p=1.0, top_k=0, min_p=None,
+              multinomial                                repetition_penalty=1.0 (HF generate, do_sample)
+reward        task.score(prompt, decode(ids,             the same score() on batch_decode(ids,
+              skip_special_tokens=True), finished),      skip_special_tokens=True) (ids cut after the first
+              finished = EOS sampled                     EOS), finished = EOS in ids
+advantages    (r - mean_g) / (std_g + 1e-4), unbiased    scale_rewards="group": the same formula, unbiased
+              std (learner.loss.normalize_std=true,      std, 1e-4 (hard-coded)
+              learner.loss.adv_eps = its default 1e-4)
+loss          learner.loss.type=grpo                     loss_type="dapo": -sum_t min(r A, clip(r) A) /
+              learner.loss.aggregation=token:            tokens in the generation batch; r = pi / pi_old
+              -sum_t min(pi/mu, is_cap) A log pi /       = 1 at num_iterations=1, so the gradient is
+              tokens in the batch                        -sum_t A grad log pi / tokens
+KL, entropy   learner.loss.kl_coef=0.0, entropy_coef=0.0 beta=0.0 (no reference model), entropy_coef=0.0
+updates       learner.epochs=1 minibatches=1             num_iterations=1, steps_per_generation=1
+              micro_batches=1                            (one optimizer update per generation batch)
+optimiser     torch AdamW, fused kernel (CPU, CUDA),     optim="adamw_torch_fused" (the same kernel: the
+              learner.lr=3e-4, betas, adam_eps,          Trainer's default on torch>=2.8), learning_rate,
+              weight_decay = LearnerConfig defaults      adam_beta1/2, adam_epsilon, weight_decay = the
+              (passed explicitly)                        same values
+grad clip     learner.grad_clip (default 1.0)            max_grad_norm = the same value
+schedule      learner.lr_schedule=constant               lr_scheduler_type="constant", warmup_steps=0
+              learner.warmup_steps=0                     (the Trainer's default decays linearly)
+seed          run.seed=S rollout.seed=S                  seed=S
+threads,      the config's defaults (try variants with   torch.set_num_threads(2); HF generate in the
+engine, ...   --sluice-override)                         trainer's one process
+logging       every step (learner.log_every default 1)   logging_steps=1, report_to=[], save_strategy="no"
+
+Why "dapo": TRL 1.16's `_compute_loss` divides the masked token sum by `num_items_in_batch`,
+the token count of the whole generation batch, which is what Sluice's token aggregation does
+(its `Denominator` carries the whole batch's counts). "bnpo" divides by the local batch's
+tokens: the same number with one process and no accumulation, as here; "grpo" is per-sequence.
+
+    .venv/bin/python benchmarks/vs_trl.py [--seeds 0 1 2] [--tasks copy reverse] [--max-steps 1500]
+        [--out DIR] [--skip-trl] [--quick] [--sluice-config PATH] [--sluice-override KEY=VALUE ...]
+
+Writes DIR/vs_trl.json and DIR/vs_trl.png (reward vs wall time, both systems, every seed) and
+prints the tables. TRL is an optional peer: `bash scripts/setup_bench.sh` installs it.
+`--quick` is a smoke run (one seed, one task, 6 steps, a short bound, `rollout.engine=hf` so no
+vLLM start-up): 35-60 s without TRL, 60-90 s with it, on this 2-core machine while others load it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rich.console import Console  # noqa: E402
+from rich.progress import Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from sluice.config.learner import LearnerConfig, LossConfig  # noqa: E402
+from sluice.launch.local import Tail  # noqa: E402
+from sluice.metrics import read_jsonl  # noqa: E402
+
+MODEL_INIT = {
+    "arch": "llama",
+    "vocab": "digits",
+    "hidden_size": 128,
+    "intermediate_size": 272,
+    "num_layers": 2,
+    "num_heads": 4,
+    "head_dim": 32,
+    "max_position_embeddings": 64,
+    "seed": 0,
+}
+TASK_LENGTH = 3
+PROMPTS, GROUP = 8, 8
+BATCH = PROMPTS * GROUP
+MAX_NEW_TOKENS = 12
+TEMPERATURE = 1.0
+LR = 3e-4
+THRESHOLDS = (0.5, 0.7, 0.9)
+STOP_AT = 0.9
+WINDOW = 5
+TRL_THREADS = 2
+TASK_SEED = 7919  # a rollout service's task seed is run.seed * 7919 + its index
+LEARNER = LearnerConfig()  # Sluice's optimiser defaults, passed explicitly to both systems
+ADV_EPS = LossConfig().adv_eps  # TRL's group advantages hard-code 1e-4
+SETUP_HINT = (
+    "trl is not installed: run `bash scripts/setup_bench.sh` (trl==1.16.0 into .venv, torch untouched)"
+)
+
+
+# -- the workload ------------------------------------------------------------------------------
+
+
+def build_model_dir(path: Path) -> int:
+    """Save the workload's model and tokenizer under `path`; returns the parameter count."""
+    from sluice.config.model import TinyModelInit
+    from sluice.modeling.tiny import build_tiny_model
+
+    model, tokenizer = build_tiny_model(TinyModelInit(**MODEL_INIT))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_task(name: str, seed: int):
+    from rollout_svc.tasks.digits import CopyTask, DigitsConfig, ReverseTask
+
+    cls = {"copy": CopyTask, "reverse": ReverseTask}[name]
+    return cls(DigitsConfig(length=TASK_LENGTH), seed)
+
+
+def trailing_means(rewards: list[float], window: int = WINDOW) -> list[float | None]:
+    """Mean of the last `window` values at each step; None before `window` steps exist."""
+    return [
+        None if i + 1 < window else sum(rewards[i + 1 - window : i + 1]) / window for i in range(len(rewards))
+    ]
+
+
+def crossings(curve: list[dict]) -> dict[str, dict | None]:
+    """First (step, time) at which the trailing mean reaches each threshold."""
+    means = trailing_means([c["reward"] for c in curve])
+    out: dict[str, dict | None] = {}
+    for thr in THRESHOLDS:
+        i = next((i for i, m in enumerate(means) if m is not None and m >= thr), None)
+        out[str(thr)] = None if i is None else {"step": curve[i]["step"], "time_s": curve[i]["time_s"]}
+    return out
+
+
+def reached(rewards: list[float]) -> bool:
+    means = trailing_means(rewards)
+    return bool(means) and means[-1] is not None and means[-1] >= STOP_AT
+
+
+def summarize_curve(curve: list[dict]) -> dict:
+    """What both systems report from their (step, time_s, reward, tokens) curve."""
+    if not curve:
+        return {"reached": False, "crossings": crossings([]), "steps": 0}
+    cross = crossings(curve)
+    end = cross[str(STOP_AT)]
+    upto = [c for c in curve if end is None or c["step"] <= end["step"]]
+    tokens = sum(c["tokens"] for c in upto)
+    time_s = upto[-1]["time_s"]
+    return {
+        "reached": end is not None,
+        "crossings": cross,
+        "steps": upto[-1]["step"],
+        "time_s": time_s,
+        "s_per_step": time_s / max(upto[-1]["step"], 1),
+        "tokens_per_s": tokens / time_s if time_s > 0 else None,
+        "final_trailing_reward": trailing_means([c["reward"] for c in curve])[-1],
+    }
+
+
+def median_of(records: list[dict], keys: tuple[str, ...]) -> dict[str, float | None]:
+    return {
+        k: (statistics.median(vals) if (vals := [r[k] for r in records if k in r]) else None) for k in keys
+    }
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group `proc` leads, wait `grace_s`, then SIGKILL it."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def kill_leftover_roles(run_dir: Path) -> None:
+    """Roles run in their own sessions; one that outlived its launcher (it should not: it gets
+    SIGTERM when the launcher dies) would load the next measurement, so it is killed."""
+    for path in (run_dir / "endpoints").glob("*.json"):
+        pid = json.loads(path.read_text()).get("pid")
+        try:
+            if pid and os.getpgid(pid) == pid:
+                os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def watch(
+    proc: subprocess.Popen,
+    tail: Tail,
+    on_records: Callable[[list[dict]], bool],
+    timeout_s: float,
+) -> str:
+    """Poll `tail` until `on_records` says stop, the process exits, or the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if on_records(tail.poll()):
+            return "threshold"
+        if proc.poll() is not None:
+            return "threshold" if on_records(tail.poll()) else f"exited ({proc.returncode})"
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(0.5)
+
+
+class Watcher:
+    """Collects the per-step rewards of a run as they appear and drives its progress line."""
+
+    def __init__(self, progress: Progress, label: str, reward_key: str, step_key: str) -> None:
+        self.progress, self.reward_key, self.step_key = progress, reward_key, step_key
+        self.rewards: list[float] = []
+        self.task = progress.add_task(label, total=None, info="starting")
+
+    def __call__(self, records: list[dict]) -> bool:
+        steps = [r for r in records if self.reward_key in r]
+        self.rewards += [float(r[self.reward_key]) for r in steps]
+        if steps:
+            mean = trailing_means(self.rewards)[-1]
+            info = f"step {steps[-1][self.step_key]}  reward {self.rewards[-1]:.3f}"
+            info += f"  trailing {mean:.3f}" if mean is not None else ""
+            self.progress.update(self.task, info=info)
+        return reached(self.rewards)
+
+    def done(self, reason: str) -> None:
+        self.progress.update(self.task, info=f"{len(self.rewards)} steps, {reason}")
+        self.progress.stop_task(self.task)
+
+
+# -- Sluice ------------------------------------------------------------------------------------
+
+
+def sluice_overrides(task: str, seed: int, model_dir: Path, run_dir: Path, max_steps: int) -> list[str]:
+    lc = LEARNER
+    return [
+        f"run.dir={run_dir}",
+        f"run.seed={seed}",
+        f"rollout.seed={seed}",
+        f"model.path={model_dir}",
+        "model.dtype=float32",
+        f"task.name={task}",
+        f"task.params={{length: {TASK_LENGTH}}}",
+        f"rollout.prompts_per_batch={PROMPTS}",
+        f"rollout.group_size={GROUP}",
+        f"learner.batch_size={BATCH}",
+        f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
+        f"rollout.temperature={TEMPERATURE}",
+        f"learner.total_steps={max_steps}",
+        f"learner.lr={LR}",
+        "learner.lr_schedule=constant",
+        "learner.warmup_steps=0",
+        f"learner.weight_decay={lc.weight_decay}",
+        f"learner.betas=[{lc.betas[0]}, {lc.betas[1]}]",
+        f"learner.adam_eps={lc.adam_eps}",
+        f"learner.grad_clip={lc.grad_clip}",
+        "learner.epochs=1",
+        "learner.minibatches=1",
+        "learner.micro_batches=1",
+        "learner.loss.type=grpo",
+        "learner.loss.aggregation=token",
+        "learner.loss.normalize_std=true",
+        f"learner.loss.adv_eps={ADV_EPS}",
+        "learner.loss.kl_coef=0.0",
+        "learner.loss.entropy_coef=0.0",
+    ]
+
+
+def run_sluice(spec: dict, progress: Progress) -> dict:
+    run_dir = Path(spec["work"]) / f"sluice-{spec['task']}-s{spec['seed']}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        "run",
+        str(spec["sluice_config"]),
+        *sluice_overrides(spec["task"], spec["seed"], spec["model_dir"], run_dir, spec["max_steps"]),
+        *spec["sluice_overrides"],
+        "--no-progress",
+    ]
+    watcher = Watcher(progress, f"sluice {spec['task']} seed {spec['seed']}", "reward_mean", "version")
+    load_before = os.getloadavg()[0]
+    with (Path(spec["work"]) / f"{run_dir.name}.log").open("w") as log:
+        t_launch = time.time()
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            reason = watch(proc, Tail(run_dir / "metrics" / "learner.jsonl"), watcher, spec["timeout_s"])
+        finally:
+            stop_group(proc, grace_s=60.0)
+            kill_leftover_roles(run_dir)
+    watcher.done(reason)
+    result = sluice_result(run_dir, t_launch)
+    if not result["curve"]:
+        reason += ": " + (Path(spec["work"]) / f"{run_dir.name}.log").read_text(errors="replace")[-1500:]
+    return {**result, "stop": reason, "exit_code": proc.returncode, "load_before": load_before,
+            "load_after": os.getloadavg()[0], "command": cmd}  # fmt: skip
+
+
+def sluice_result(run_dir: Path, t_launch: float) -> dict:
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    services = {p.stem: read_jsonl(p) for p in sorted((run_dir / "metrics").glob("rollout-*.jsonl"))}
+    batches = [b for records in services.values() for b in records]
+    base = {"system": "sluice", "run_dir": str(run_dir)}
+    if not steps or not batches:
+        return {**base, **summarize_curve([]), "curve": []}
+    clock0 = min(b["time"] - b["put_s"] - b["score_s"] - b["generate_s"] for b in batches)
+    curve = [
+        {
+            "step": r["version"],
+            "time_s": r["time"] - clock0,
+            "reward": r["reward_mean"],
+            "tokens": r["tokens"],
+        }
+        for r in steps
+    ]
+    summary = summarize_curve(curve)
+    until = clock0 + summary["time_s"]
+    generated = sum(b["tokens"] for b in batches if b["time"] <= until)
+    phases = {
+        "learner": median_of(steps, ("compute_s", "wait_s", "sync_s", "step_s")),
+        "rollout": median_of(batches, ("generate_s", "pause_s", "put_s")),
+    }
+    return {
+        **base,
+        **summary,
+        "startup_s": clock0 - t_launch,
+        "generated_tokens_per_s": generated / summary["time_s"] if summary["time_s"] > 0 else None,
+        "first_generate_s": {k: v[0]["generate_s"] for k, v in services.items() if v},
+        "staleness_mean": statistics.fmean(r["staleness_mean"] for r in steps),
+        "phases": phases,
+        "curve": curve,
+    }
+
+
+# -- TRL ---------------------------------------------------------------------------------------
+
+
+def trl_available() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
+def run_trl(spec: dict, progress: Progress) -> dict:
+    """TRL in its own process (`--trl-worker`): start-up and memory are its own, like Sluice's."""
+    work = Path(spec["work"])
+    name = f"trl-{spec['task']}-s{spec['seed']}"
+    spec = {**spec, "log": str(work / f"{name}.jsonl"), "output_dir": str(work / name)}
+    spec_path = work / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec, default=str))
+    watcher = Watcher(progress, f"trl    {spec['task']} seed {spec['seed']}", "reward", "step")
+    load_before = os.getloadavg()[0]
+    with (work / f"{name}.log").open("w") as log:
+        t_launch = time.time()
+        proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            reason = watch(proc, Tail(Path(spec["log"])), watcher, spec["timeout_s"])
+            if reason == "threshold":  # it stops itself there: let it exit cleanly
+                proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            stop_group(proc, grace_s=10.0)
+    watcher.done(reason)
+    records = read_jsonl(Path(spec["log"]))
+    begin = next((r for r in records if r.get("event") == "train_begin"), None)
+    steps = [r for r in records if "reward" in r]
+    curve = [{k: r[k] for k in ("step", "time_s", "reward", "tokens")} for r in steps]
+    if reason.startswith("exited") and not steps:
+        reason += ": " + (work / f"{name}.log").read_text(errors="replace")[-1500:]
+    return {
+        "system": "trl",
+        **summarize_curve(curve),
+        "startup_s": begin["time"] - t_launch if begin else None,
+        "phases": {"trainer": median_of(steps, ("generate_s", "train_s", "optim_s", "step_s"))},
+        "curve": curve,
+        "stop": reason,
+        "exit_code": proc.returncode,
+        "load_before": load_before,
+        "load_after": os.getloadavg()[0],
+    }
+
+
+def trl_dataset(task, tokenizer, rows: int):
+    """The task's prompts as TRL sees them, checked to tokenize exactly as Sluice's rollout does
+    (`[bos] + encode(text)`: TRL calls the tokenizer on the text, which adds no specials here)."""
+    from datasets import Dataset
+
+    prompts = task.sample(rows)
+    texts = [f"{tokenizer.bos_token} {p.text}" for p in prompts]
+    for p, ids in zip(prompts[:16], tokenizer(text=texts[:16])["input_ids"]):
+        want = [tokenizer.bos_token_id, *tokenizer.encode(p.text, add_special_tokens=False)]
+        if list(ids) != want:
+            raise RuntimeError(f"TRL would tokenize {p.text!r} as {ids}, Sluice as {want}")
+    return Dataset.from_dict({"prompt": texts, "reference": [p.reference for p in prompts]})
+
+
+def make_reward(task, eos_id: int):
+    """The task's own `score`, on the text and `finished` flag the Sluice rollout would use."""
+    from rollout_svc.tasks.base import Prompt
+
+    def digits_reward(completions, completion_ids, reference, **_) -> list[float]:
+        return [
+            task.score(Prompt("", "", ref), text, eos_id in ids).reward
+            for text, ids, ref in zip(completions, completion_ids, reference)
+        ]
+
+    return digits_reward
+
+
+def grpo_config(spec: dict):
+    from trl import GRPOConfig
+
+    lc = LEARNER
+    return GRPOConfig(
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=1,
+        num_generations=GROUP,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        min_p=None,
+        repetition_penalty=1.0,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        optim="adamw_torch_fused",
+        adam_beta1=lc.betas[0],
+        adam_beta2=lc.betas[1],
+        adam_epsilon=lc.adam_eps,
+        weight_decay=lc.weight_decay,
+        max_grad_norm=lc.grad_clip,
+        loss_type="dapo",
+        scale_rewards="group",
+        beta=0.0,
+        entropy_coef=0.0,
+        num_iterations=1,
+        max_steps=spec["max_steps"],
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=spec["seed"],
+        disable_tqdm=True,
+        log_completions=False,
+    )
+
+
+def timed_trainer(log, timing: dict[str, float]):
+    """GRPOTrainer with perf_counter timers around generation and training_step, and a callback
+    that logs each step and stops training at the threshold."""
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            timing["generate_s"] += time.perf_counter() - t0
+            return out
+
+        def training_step(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = super().training_step(*args, **kwargs)
+            timing["training_step_s"] += time.perf_counter() - t0
+            return out
+
+    class RewardClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.rewards: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            timing["t0"] = time.perf_counter()
+            log.write({"event": "train_begin"})
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            timing.update(step_t0=time.perf_counter(), generate_s=0.0, training_step_s=0.0)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            timing["step_s"] = time.perf_counter() - timing["step_t0"]
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if not logs or "reward" not in logs:
+                return
+            self.rewards.append(float(logs["reward"]))
+            log.write(trl_step_record(state.global_step, logs, timing))
+            if reached(self.rewards):
+                control.should_training_stop = True
+
+    return TimedGRPOTrainer, RewardClock()
+
+
+def trl_step_record(step: int, logs: dict, timing: dict[str, float]) -> dict:
+    return {
+        "step": step,
+        "time_s": time.perf_counter() - timing["t0"],
+        "reward": float(logs["reward"]),
+        "tokens": round(float(logs["completions/mean_length"]) * BATCH),
+        "generate_s": timing["generate_s"],
+        "train_s": timing["training_step_s"] - timing["generate_s"],
+        "optim_s": timing["step_s"] - timing["training_step_s"],
+        "step_s": timing["step_s"],
+    }
+
+
+def trl_worker(spec_path: Path) -> None:
+    import torch
+
+    torch.set_num_threads(TRL_THREADS)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sluice.metrics import JsonlLog
+
+    spec = json.loads(spec_path.read_text())
+    log = JsonlLog(Path(spec["log"]))
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+    task = make_task(spec["task"], spec["seed"] * TASK_SEED)
+    dataset = trl_dataset(task, tokenizer, rows=PROMPTS * spec["max_steps"])
+    timing: dict[str, float] = {}
+    trainer_cls, callback = timed_trainer(log, timing)
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=make_reward(task, tokenizer.eos_token_id),
+        args=grpo_config(spec),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    trainer.train()
+    log.write({"event": "end", "steps": trainer.state.global_step})
+    log.close()
+
+
+# -- the bound ---------------------------------------------------------------------------------
+
+
+def median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bound_batch(tokenizer, vocab: int):
+    """64 prompts of the copy task, each followed by 12 random completion tokens (right-padded
+    to one width, as the learner's collate pads)."""
+    import torch
+
+    task = make_task("copy", 0)
+    prompts = [
+        [tokenizer.bos_token_id, *tokenizer.encode(p.text, add_special_tokens=False)]
+        for p in task.sample(BATCH)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    rows = [p + torch.randint(4, vocab, (MAX_NEW_TOKENS,), generator=gen).tolist() for p in prompts]
+    width = max(len(r) for r in rows)
+    ids = torch.full((BATCH, width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((BATCH, width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    completion = torch.zeros((BATCH, width - 1))
+    for i, (p, r) in enumerate(zip(prompts, rows)):
+        completion[i, len(p) - 1 : len(r) - 1] = 1  # targets that are completion tokens
+    prompt_ids = torch.tensor(prompts)  # every prompt has the same length here
+    return ids, mask, completion, prompt_ids
+
+
+def train_step_fn(model, ids, mask, completion) -> Callable[[], None]:
+    import torch
+
+    lc = LEARNER
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=LR, betas=lc.betas, eps=lc.adam_eps, weight_decay=lc.weight_decay, fused=True
+    )
+    advantages = torch.randn(ids.shape[0], generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+        logp = torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        loss = -(advantages[:, None] * logp * completion).sum() / completion.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), lc.grad_clip, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def generate_fn(model, prompt_ids) -> Callable[[], None]:
+    import torch
+
+    gen = torch.Generator().manual_seed(2)
+
+    @torch.no_grad()
+    def sample() -> None:
+        out = model(input_ids=prompt_ids, use_cache=True)
+        for i in range(MAX_NEW_TOKENS):
+            probs = torch.softmax(out.logits[:, -1].float() / TEMPERATURE, -1)
+            tok = torch.multinomial(probs, 1, generator=gen)
+            if i + 1 < MAX_NEW_TOKENS:
+                out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True)
+
+    return sample
+
+
+def measure_bound(model_dir: Path, repeats: int, warmup: int) -> dict:
+    import torch
+
+    from sluice.modeling import load_policy
+
+    model, tokenizer = load_policy(model_dir)
+    ids, mask, completion, prompt_ids = bound_batch(tokenizer, model.config.vocab_size)
+    trained = copy.deepcopy(model).train()
+    model.eval()
+    threads_before = torch.get_num_threads()
+    out: dict[str, dict[str, float]] = {"train_s": {}, "generate_s": {}}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out["train_s"][str(threads)] = median_time(
+                train_step_fn(trained, ids, mask, completion), repeats, warmup
+            )
+            out["generate_s"][str(threads)] = median_time(generate_fn(model, prompt_ids), repeats, warmup)
+    finally:
+        torch.set_num_threads(threads_before)
+    return {
+        **out,
+        "bound_s_per_step": max(out["train_s"]["1"], out["generate_s"]["1"]),
+        "repeats": repeats,
+        "warmup": warmup,
+        "sequences": BATCH,
+        "tokens_per_sequence": int(ids.shape[1]),
+    }
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def fmt(value, spec: str = ".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def cross_cell(run: dict, thr: float) -> str:
+    c = run["crossings"].get(str(thr))
+    return "-" if c is None else f"{c['step']} / {c['time_s']:.0f}s"
+
+
+def summarize(runs: list[dict], tasks: list[str], seeds: list[int]) -> dict:
+    """Per task, per seed: time and steps to 0.9 for each system, Sluice/TRL ratios, medians."""
+    out = {}
+    for task in tasks:
+        per_seed = []
+        for seed in seeds:
+            pair = {r["system"]: r for r in runs if r["task"] == task and r["seed"] == seed}
+            row = {"seed": seed}
+            for system, r in pair.items():
+                c = r["crossings"].get(str(STOP_AT))
+                row[system] = {"time_s": c and c["time_s"], "steps": c and c["step"]}
+            s, t = row.get("sluice", {}), row.get("trl", {})
+            if s.get("time_s") and t.get("time_s"):
+                row["time_ratio"] = s["time_s"] / t["time_s"]
+                row["steps_ratio"] = s["steps"] / t["steps"]
+            per_seed.append(row)
+        ratios = [r["time_ratio"] for r in per_seed if "time_ratio" in r]
+        steps_ratios = [r["steps_ratio"] for r in per_seed if "steps_ratio" in r]
+        out[task] = {
+            "per_seed": per_seed,
+            "median_time_ratio": statistics.median(ratios) if ratios else None,
+            "median_steps_ratio": statistics.median(steps_ratios) if steps_ratios else None,
+            "sluice_faster_every_seed": len(ratios) == len(seeds) and all(x < 1 for x in ratios),
+        }
+    return out
+
+
+def against_bound(runs: list[dict], bound: dict) -> list[dict]:
+    """Sluice's measured seconds per step (median learner step_s, and clock time / steps) next
+    to the bound per step."""
+    rows = []
+    for r in (r for r in runs if r["system"] == "sluice"):
+        step_s = r.get("phases", {}).get("learner", {}).get("step_s")
+        wall = r.get("s_per_step")
+        b = bound["bound_s_per_step"]
+        rows.append({
+            "task": r["task"], "seed": r["seed"], "bound_s_per_step": b,
+            "median_step_s": step_s, "median_step_over_bound": step_s / b if step_s else None,
+            "wall_s_per_step": wall, "wall_over_bound": wall / b if wall else None,
+        })  # fmt: skip
+    return rows
+
+
+def runs_table(runs: list[dict]) -> Table:
+    table = Table(
+        title=f"Steps / time to a {WINDOW}-step trailing mean reward (clock from the first generation)"
+    )
+    cols = [
+        "system",
+        "task",
+        "seed",
+        *(f"to {t}" for t in THRESHOLDS),
+        "start-up s",
+        "s/step",
+        "tokens/s",
+        "load before/after",
+        "stop",
+    ]
+    for col in cols:
+        table.add_column(col)
+    for r in runs:
+        table.add_row(
+            r["system"], r["task"], str(r["seed"]), *(cross_cell(r, t) for t in THRESHOLDS),
+            fmt(r.get("startup_s")), fmt(r.get("s_per_step"), ".3f"), fmt(r.get("tokens_per_s"), ".0f"),
+            f"{r['load_before']:.1f} / {r['load_after']:.1f}", r.get("stop", "-"),
+        )  # fmt: skip
+    return table
+
+
+# (column, Sluice's phase, TRL's phase): medians per learner step / rollout batch / trainer step
+PHASE_COLUMNS = (
+    ("generate", ("rollout", "generate_s"), ("trainer", "generate_s")),
+    ("train", ("learner", "compute_s"), ("trainer", "train_s")),
+    ("optimizer", None, ("trainer", "optim_s")),
+    ("step", ("learner", "step_s"), ("trainer", "step_s")),
+    ("learner wait", ("learner", "wait_s"), None),
+    ("weight sync", ("learner", "sync_s"), None),
+    ("rollout pause", ("rollout", "pause_s"), None),
+    ("put", ("rollout", "put_s"), None),
+)
+
+
+def phases_table(runs: list[dict]) -> Table:
+    table = Table(
+        title="Per-phase medians (s). generate: one batch of 64 (TRL: with reward and advantages); "
+        "train: Sluice forward+backward+AdamW, TRL forward+backward; optimizer: TRL clip+AdamW+zero_grad"
+    )
+    for col in ("system", "task", "seed", *(c[0] for c in PHASE_COLUMNS)):
+        table.add_column(col)
+    for r in runs:
+        cells = []
+        for _, sluice, trl in PHASE_COLUMNS:
+            where = sluice if r["system"] == "sluice" else trl
+            value = r.get("phases", {}).get(where[0], {}).get(where[1]) if where else None
+            cells.append(fmt(value, ".4f"))
+        table.add_row(r["system"], r["task"], str(r["seed"]), *cells)
+    return table
+
+
+def summary_table(summary: dict) -> Table:
+    table = Table(title=f"Time to {STOP_AT}: Sluice / TRL")
+    for col in ("task", "seed", "sluice s (steps)", "trl s (steps)", "time ratio", "steps ratio"):
+        table.add_column(col)
+    for task, s in summary.items():
+        for row in s["per_seed"]:
+            cell = {
+                k: f"{fmt(row[k]['time_s'])} ({row[k]['steps'] or '-'})" if k in row else "-"
+                for k in ("sluice", "trl")
+            }
+            ratios = (fmt(row.get("time_ratio"), ".2f"), fmt(row.get("steps_ratio"), ".2f"))
+            table.add_row(task, str(row["seed"]), cell["sluice"], cell["trl"], *ratios)
+        faster = "yes" if s["sluice_faster_every_seed"] else "no"
+        table.add_row(task, "median", "", "", fmt(s["median_time_ratio"], ".2f"),
+                      fmt(s["median_steps_ratio"], ".2f"), end_section=True)  # fmt: skip
+        table.add_row(task, "Sluice faster on every seed", faster, "", "", "", end_section=True)
+    return table
+
+
+def bound_table(bound: dict) -> Table:
+    table = Table(
+        title=f"Bound: plain torch, {bound['sequences']} x {bound['tokens_per_sequence']} tokens (median s)"
+    )
+    for col in ("phase", "1 thread", "2 threads"):
+        table.add_column(col)
+    table.add_row("train step", fmt(bound["train_s"]["1"], ".4f"), fmt(bound["train_s"]["2"], ".4f"))
+    table.add_row(
+        "generate 64 x 12", fmt(bound["generate_s"]["1"], ".4f"), fmt(bound["generate_s"]["2"], ".4f")
+    )
+    table.add_row("bound per step", fmt(bound["bound_s_per_step"], ".4f"), "max(train@1, generate@1)")
+    return table
+
+
+def against_bound_table(rows: list[dict]) -> Table:
+    table = Table(title="Sluice s/step against the bound (one core per phase)")
+    for col in ("task", "seed", "bound s", "median learner step s", "ratio", "clock s / steps", "ratio"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["task"], str(r["seed"]), fmt(r["bound_s_per_step"], ".4f"),
+            fmt(r["median_step_s"], ".4f"), fmt(r["median_step_over_bound"], ".2f"),
+            fmt(r["wall_s_per_step"], ".4f"), fmt(r["wall_over_bound"], ".2f"),
+        )  # fmt: skip
+    return table
+
+
+def plot(runs: list[dict], tasks: list[str], path: Path) -> None:
+    """Reward (5-step trailing mean) vs wall time (top) and vs steps (bottom), every run, one
+    column per task."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6 * len(tasks), 7.5), layout="constrained")
+    axes = fig.subplots(2, len(tasks), squeeze=False)
+    colors = {"sluice": "tab:blue", "trl": "tab:orange"}
+    styles = ["-", "--", ":", "-."]
+    for col, task in enumerate(tasks):
+        for r in (r for r in runs if r["task"] == task and r["curve"]):
+            means = trailing_means([c["reward"] for c in r["curve"]])
+            pts = [(c["time_s"], c["step"], m) for c, m in zip(r["curve"], means) if m is not None]
+            if not pts:
+                continue
+            times, steps, values = zip(*pts)
+            style = {"color": colors[r["system"]], "ls": styles[r["seed"] % len(styles)], "alpha": 0.85}
+            axes[0][col].plot(times, values, label=f"{r['system']} seed {r['seed']}", **style)
+            axes[1][col].plot(steps, values, **style)
+        for row, xlabel in enumerate(
+            ("wall time since the first generation (s)", "step (optimizer updates)")
+        ):
+            ax = axes[row][col]
+            ax.axhline(STOP_AT, color="gray", ls="--", lw=0.8)
+            ax.set(xlabel=xlabel, ylabel=f"reward ({WINDOW}-step trailing mean)", ylim=(0, 1.02))
+        axes[0][col].set_title(f"{task} (length {TASK_LENGTH})")
+        axes[0][col].legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--tasks", nargs="+", choices=["copy", "reverse"], default=["copy", "reverse"])
+    p.add_argument("--max-steps", type=int, default=1500)
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl")
+    p.add_argument("--skip-trl", action="store_true", help="run Sluice (and the bound) only")
+    p.add_argument("--quick", action="store_true", help="smoke run: one seed, one task, a few steps")
+    p.add_argument("--sluice-config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
+    p.add_argument("--sluice-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra `sluice run` override (repeatable), applied after the workload's")  # fmt: skip
+    p.add_argument("--bound-repeats", type=int, default=20)
+    p.add_argument("--keep-work", type=Path, help="keep run directories and logs here (default: a temp dir)")
+    p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.seeds, args.tasks, args.max_steps, args.bound_repeats = args.seeds[:1], args.tasks[:1], 6, 3
+        args.sluice_override = ["rollout.engine=hf", *args.sluice_override]
+    return args
+
+
+def run_all(args, model_dir: Path, work: Path, console: Console) -> list[dict]:
+    """Every (task, seed) pair, TRL and Sluice interleaved; which goes first alternates."""
+    runs = []
+    with Progress(TextColumn("{task.description}"), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                  console=console) as progress:  # fmt: skip
+        for i, (task, seed) in enumerate((t, s) for t in args.tasks for s in args.seeds):
+            spec = {
+                "task": task, "seed": seed, "model_dir": str(model_dir), "work": str(work),
+                "max_steps": args.max_steps, "timeout_s": args.timeout,
+                "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
+            }  # fmt: skip
+            systems = [run_sluice] if args.skip_trl else [run_trl, run_sluice]
+            for run in systems if i % 2 == 0 else systems[::-1]:
+                runs.append({"task": task, "seed": seed, **run(spec, progress)})
+    return runs
+
+
+def main() -> None:
+    args = parse_args()
+    if args.trl_worker is not None:
+        return trl_worker(args.trl_worker)
+    # SIGTERM unwinds like Ctrl-C, so every run's process group is stopped on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    console = Console(width=180)
+    if not args.skip_trl and not trl_available():
+        console.print(f"[red]{SETUP_HINT}, or pass --skip-trl")
+        sys.exit(2)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="sluice-vs-trl-") as tmp:
+        work = args.keep_work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model_dir = work / "model"
+        params = build_model_dir(model_dir)
+        console.print(f"model: {params:,} parameters, {json.dumps(MODEL_INIT)} -> {model_dir}")
+        with console.status("bound: plain torch train step and sampling, 1 and 2 threads"):
+            bound = measure_bound(model_dir, args.bound_repeats, warmup=3 if args.quick else 5)
+        console.print(bound_table(bound))
+        runs = run_all(args, model_dir, work, console)
+    report(args, params, bound, runs, console)
+
+
+def report(args, params: int, bound: dict, runs: list[dict], console: Console) -> None:
+    summary = summarize(runs, args.tasks, args.seeds)
+    bound_rows = against_bound(runs, bound)
+    for table in (
+        runs_table(runs),
+        phases_table(runs),
+        summary_table(summary),
+        against_bound_table(bound_rows),
+    ):
+        console.print(table)
+    workload = {
+        "model_init": MODEL_INIT, "parameters": params, "task_length": TASK_LENGTH, "prompts": PROMPTS,
+        "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "temperature": TEMPERATURE,
+        "stop_at": STOP_AT, "window": WINDOW, "thresholds": THRESHOLDS, "max_steps": args.max_steps,
+        "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
+        "trl_threads": TRL_THREADS, "quick": args.quick,
+    }  # fmt: skip
+    result = {
+        "workload": workload,
+        "machine": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
+        "bound": bound,
+        "sluice_vs_bound": bound_rows,
+        "runs": runs,
+        "summary": summary,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "vs_trl.json").write_text(json.dumps(result, indent=2, default=str))
+    plot(runs, args.tasks, args.out / "vs_trl.png")
+    console.print(f"wrote {args.out / 'vs_trl.json'} and {args.out / 'vs_trl.png'}")
+
+
+if __name__ == "__main__":
+    main()

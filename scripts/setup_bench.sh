@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The project's venv (scripts/setup.sh) plus the benchmark peers of the `bench` extra
+# (pyproject.toml): TRL 1.16.0 and accelerate for benchmarks/vs_trl.py, RLlib's extra imports
+# for benchmarks/cartpole.py. They never belong in the main install.
+#
+# torch stays exactly as setup.sh installed it: a pip constraint pins torch==2.13.0, so no peer
+# can pull another (e.g. a multi-GB CUDA) build; the PyPI torchvision/torchaudio/torchcodec
+# that break transformers beside the CPU torch are removed again afterwards.
+#
+# Idempotent like setup.sh: a stamp of the inputs (this script, setup.sh, pyproject.toml,
+# requirements/) is kept in the venv. Same environment variables as setup.sh.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SLUICE_VENV:-$ROOT/.venv}"
+STAMP="$VENV/.sluice-setup-bench-stamp"
+TORCH_PIN="torch==2.13.0"
+
+bash "$ROOT/scripts/setup.sh"
+
+want="$(cat "$ROOT/scripts/setup_bench.sh" "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" \
+    "$ROOT"/requirements/*.txt | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+    echo "setup_bench: $VENV is up to date"
+    exit 0
+fi
+
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# This machine's pip config lists local wheel stores that do not all exist; drop that noise.
+exec 2> >(grep --line-buffered -v "WARNING: Location 'file:" >&2)
+
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+echo "$TORCH_PIN" > "$constraints"
+torch_before="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+"${PIP[@]}" install -c "$constraints" -e "$ROOT[bench]"
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+"$VENV/bin/python" - "$torch_before" <<'PY'
+import sys
+
+import torch
+import trl
+
+if torch.__version__ != sys.argv[1]:
+    sys.exit(f"setup_bench: torch changed from {sys.argv[1]} to {torch.__version__}")
+print("setup_bench: trl", trl.__version__, "with torch", torch.__version__)
+PY
+echo "$want" > "$STAMP"
+echo "setup_bench: done"

@@ -1,0 +1,112 @@
+"""benchmarks/vs_trl.py: the stop rule and summary arithmetic against hand-computed numbers, and
+smoke runs of --quick (Sluice and the bound; TRL too when it is installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import vs_trl
+
+    return vs_trl
+
+
+def curve(rewards: list[float], dt: float = 0.5) -> list[dict]:
+    return [{"step": i + 1, "time_s": dt * (i + 1), "reward": r, "tokens": 10} for i, r in enumerate(rewards)]
+
+
+def test_trailing_mean_and_crossings(bench):
+    rewards = [0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]
+    means = bench.trailing_means(rewards)
+    assert means[:4] == [None] * 4  # no 5-step window yet
+    assert means[4:] == pytest.approx([0.7, 0.9, 1.0])
+    cross = bench.crossings(curve(rewards))
+    assert cross == {"0.5": {"step": 5, "time_s": 2.5}, "0.7": {"step": 5, "time_s": 2.5},
+                     "0.9": {"step": 6, "time_s": 3.0}}  # fmt: skip
+    assert not bench.reached(rewards[:5]) and bench.reached(rewards[:6])
+
+
+def test_sluice_adv_eps_is_trls_hard_coded_one(bench):
+    assert bench.ADV_EPS == 1e-4  # TRL 1.16's group advantages divide by std + 1e-4
+
+
+def test_summary_stops_at_the_threshold(bench):
+    s = bench.summarize_curve(curve([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0]))
+    # counted up to step 6 (where 0.9 was reached), not the 7th step that ran meanwhile
+    assert s["reached"] and s["steps"] == 6 and s["time_s"] == 3.0
+    assert s["tokens_per_s"] == pytest.approx(60 / 3.0) and s["s_per_step"] == pytest.approx(0.5)
+    none = bench.summarize_curve(curve([0.1] * 8))
+    assert not none["reached"] and none["steps"] == 8 and none["crossings"]["0.9"] is None
+
+
+def test_ratios_over_seeds(bench):
+    def run(system, seed, step, t):
+        return {"system": system, "task": "copy", "seed": seed,
+                "crossings": {"0.9": {"step": step, "time_s": t}}}  # fmt: skip
+
+    runs = [run("trl", 0, 100, 50.0), run("sluice", 0, 120, 40.0),
+            run("trl", 1, 100, 50.0), run("sluice", 1, 100, 60.0)]  # fmt: skip
+    s = bench.summarize(runs, ["copy"], [0, 1])["copy"]
+    assert [r["time_ratio"] for r in s["per_seed"]] == pytest.approx([0.8, 1.2])
+    assert [r["steps_ratio"] for r in s["per_seed"]] == pytest.approx([1.2, 1.0])
+    assert s["median_time_ratio"] == pytest.approx(1.0)
+    assert s["sluice_faster_every_seed"] is False
+
+
+def run_quick(tmp_path: Path, *extra: str, timeout_s: float) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/vs_trl.py", "--quick", "--out", str(tmp_path), *extra],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "180"},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (tmp_path / "vs_trl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads((tmp_path / "vs_trl.json").read_text())
+
+
+def check_run(run: dict) -> None:
+    assert run["task"] == "copy" and run["seed"] == 0 and run["steps"] >= 5
+    assert len(run["curve"]) >= 5 and all(0 <= c["reward"] <= 1 for c in run["curve"])
+    assert run["startup_s"] > 0 and run["tokens_per_s"] > 0
+    assert run["crossings"].keys() == {"0.5", "0.7", "0.9"}
+
+
+def test_quick_sluice_and_bound(tmp_path):
+    data = run_quick(tmp_path, "--skip-trl", timeout_s=120)
+    assert data["workload"]["parameters"] == 344_448
+    (run,) = data["runs"]
+    assert run["system"] == "sluice"
+    check_run(run)
+    assert set(run["phases"]["learner"]) == {"compute_s", "wait_s", "sync_s", "step_s"}
+    assert set(run["phases"]["rollout"]) == {"generate_s", "pause_s", "put_s"}
+    bound = data["bound"]
+    assert all(bound[k][t] > 0 for k in ("train_s", "generate_s") for t in ("1", "2"))
+    assert bound["bound_s_per_step"] == max(bound["train_s"]["1"], bound["generate_s"]["1"])
+    (vs_bound,) = data["sluice_vs_bound"]
+    assert vs_bound["wall_over_bound"] > 0
+
+
+@pytest.mark.slow
+def test_quick_with_trl(tmp_path):
+    pytest.importorskip("trl")
+    data = run_quick(tmp_path, timeout_s=300)
+    assert sorted(r["system"] for r in data["runs"]) == ["sluice", "trl"]
+    for run in data["runs"]:
+        check_run(run)
+    trl = next(r for r in data["runs"] if r["system"] == "trl")
+    assert set(trl["phases"]["trainer"]) == {"generate_s", "train_s", "optim_s", "step_s"}
+    assert all(v > 0 for v in trl["phases"]["trainer"].values())
