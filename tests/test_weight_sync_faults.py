@@ -69,9 +69,7 @@ def wait_first_bucket(env: SyncEnv, seq: int, timeout_s: float = 20.0) -> None:
         time.sleep(0.001)
 
 
-def test_background_confirmation_reports_every_version_and_survives_a_killed_receiver(
-    env_factory, tmp_path
-):
+def test_background_confirmation_reports_every_version_and_survives_a_killed_receiver(env_factory, tmp_path):
     """`confirm: background`: publish returns once sent; `on_confirmed` follows when every
     member verified. A receiver killed after the sends is found by the confirmation (no
     heartbeat), and the next publish forms a new epoch that reaches the survivors."""
