@@ -4,14 +4,10 @@ smoke runs of --quick (Sluice and the bound; TRL too when it is installed)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_scripts import ROOT, run_script
 
 
 @pytest.fixture
@@ -65,15 +61,7 @@ def test_ratios_over_seeds(bench):
 
 
 def run_quick(tmp_path: Path, *extra: str, timeout_s: float) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/vs_trl.py", "--quick", "--out", str(tmp_path), *extra],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "180"},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_script(["benchmarks/vs_trl.py", "--quick", "--out", str(tmp_path), *extra], timeout_s, columns=180)
     assert (tmp_path / "vs_trl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return json.loads((tmp_path / "vs_trl.json").read_text())
 

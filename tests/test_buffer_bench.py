@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_scripts import run_script
 
 
 @pytest.mark.slow
 def test_buffer_benchmark_quick(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/buffer_throughput.py", "--quick", "--out", str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_script(["benchmarks/buffer_throughput.py", "--quick", "--out", str(out)], timeout_s=600)
     assert "Buffer throughput" in proc.stdout and "Shard memory at capacity" in proc.stdout
     data = json.loads(out.read_text())
     cases = {(c["system"], c["transport"], c["shards"], c["size"]) for c in data["cases"]}

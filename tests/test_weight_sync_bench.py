@@ -4,25 +4,8 @@ they run end to end (receiver processes, raw ceiling, phases) and write whole JS
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def run(args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "160"},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+from bench_scripts import run_script as run
 
 
 def test_weight_sync_benchmark_quick(tmp_path):
