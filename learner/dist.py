@@ -111,3 +111,14 @@ def init_dist(lc: LearnerConfig, device: torch.device) -> DistContext:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return DistContext(rank, world, device, cpu_group)
+
+
+def pick_device(kind: str, local_rank: int = 0) -> torch.device:
+    """`learner.device`: auto picks cuda, then npu, then cpu."""
+    if kind == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", local_rank)
+        if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
+            return torch.device("npu", local_rank)
+        return torch.device("cpu")
+    return torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")

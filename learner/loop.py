@@ -33,7 +33,7 @@ import torch
 from buffer.client import BufferClient
 from learner.balance import assign_to_ranks
 from learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
-from learner.dist import DistContext, init_dist
+from learner.dist import DistContext, init_dist, pick_device
 from learner.leases import LeaseLedger
 from learner.metrics import LearnerMetrics
 from learner.source import BatchSource, FetchedBatch
@@ -53,16 +53,6 @@ from weight_sync.broadcaster import WeightBroadcaster
 log = logging.getLogger(__name__)
 
 STOP, TRAIN, SKIP = 0, 1, 2  # what rank 0 tells the group at the start of a step
-
-
-def pick_device(kind: str, local_rank: int = 0) -> torch.device:
-    if kind == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", local_rank)
-        if hasattr(torch, "npu") and torch.npu.is_available():  # type: ignore[attr-defined]
-            return torch.device("npu", local_rank)
-        return torch.device("cpu")
-    return torch.device(kind, local_rank) if kind != "cpu" else torch.device("cpu")
 
 
 @dataclass

@@ -8,7 +8,7 @@ path runs the same parameters (the model's own tensors: weights loaded in place 
 once) and the model's own RMSNorm and rotary modules, with a static KV cache per round,
 `F.linear` for the projections and SDPA with a key-padding mask for left-padded rows.
 
-It serves only what it reproduces exactly: `supported(model)` names the first difference
+It serves only what it reproduces exactly: `unsupported_reason(model)` names the first difference
 (another architecture, a non-SiLU MLP, sliding windows, ...), and the engine then uses the
 transformers forward (`rollout.hf_decoder: auto`).
 """

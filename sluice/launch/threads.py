@@ -62,14 +62,14 @@ def _rollout_on_cpu(cfg: RunConfig) -> bool:
     if cfg.rollout.kind == "env":
         return True
     engine = resolve_engine(cfg.rollout.engine)
-    return engine == "hf" or engine == "vllm" and not _cuda()
+    if engine == "vllm":
+        import torch
+
+        return not torch.cuda.is_available()
+    return engine == "hf"
 
 
 def _learner_on_cpu(cfg: RunConfig) -> bool:
-    return cfg.learner.device == "cpu" or cfg.learner.device == "auto" and not _cuda()
+    from learner.dist import pick_device  # the learner's own choice of device
 
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available() or (hasattr(torch, "npu") and torch.npu.is_available())
+    return pick_device(cfg.learner.device).type == "cpu"
