@@ -2,7 +2,7 @@
 one workload at several staleness bounds, in one run.
 
   generation  the workload's buffer shards and rollout services (started as `sluice run` starts
-              them) feeding rollout_svc.drain's stand-in learner in this process: it consumes
+              them) feeding sluice.testing.drain's stand-in learner in this process: it consumes
               whole batches, ACKs them and publishes versions, and trains nothing (step_s 0).
               gen = seconds per batch_size samples.
   training    the real learner on the same batch shape with data never the bottleneck: sim
@@ -50,12 +50,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from rollout_svc.drain import Drain
 from sluice.config.loader import dump_config, load_config
 from sluice.config.run import RunConfig
 from sluice.launch.local import LocalLauncher
 from sluice.launch.role import quiet_libraries
 from sluice.metrics import read_jsonl
+from sluice.testing.drain import Drain
 
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 TARGET_STALENESS, TARGET_FRACTION = 2, 0.9  # issue 11: speed-up at max_staleness 2 >= 90% of ideal
@@ -126,7 +126,7 @@ class StepClock:
 
 
 class GenerationOnly(LocalLauncher):
-    """`sluice run`'s buffer shards and rollout services, consumed by rollout_svc.drain's Drain
+    """`sluice run`'s buffer shards and rollout services, consumed by sluice.testing.drain's Drain
     in this process instead of a learner: generation throughput with nothing trained. Services
     with a model get the initial weights (version 0) once from a broadcaster here; sim services
     learn versions from the control plane."""
@@ -159,7 +159,7 @@ class GenerationOnly(LocalLauncher):
         import torch
 
         from sluice.modeling.policy import load_policy_model, materialize_policy_dir
-        from weight_sync.broadcaster import WeightBroadcaster
+        from sluice.weight_sync.broadcaster import WeightBroadcaster
 
         cpu = torch.device("cpu")
         model, _ = load_policy_model(self.cfg, materialize_policy_dir(self.cfg), cpu)
@@ -271,7 +271,7 @@ class AsyncOverlapBench:
         return overrides, gen
 
     def generation_only(self, gen_overrides: list[str]) -> dict:
-        self._phase("generation only (stand-in learner: rollout_svc.drain)")
+        self._phase("generation only (stand-in learner: sluice.testing.drain)")
         cfg = self.workload.load(*gen_overrides, f"learner.max_staleness={LOOSE_STALENESS}")
         cfg.run.dir = str(self.work / f"gen-{len(list(self.work.glob('gen-*')))}")
         launcher = GenerationOnly(cfg)

@@ -274,7 +274,7 @@ class RayBaseline:
 
 
 def _shard_main(cfg_json: str, shard: int, log_dir: str | None, ready, stop) -> None:
-    from buffer.server import ShardServer
+    from sluice.buffer.server import ShardServer
     from sluice.config.buffer import BufferConfig
 
     cfg = BufferConfig.model_validate_json(cfg_json)
@@ -304,7 +304,7 @@ def _producer_main(
     shared,
     release,
 ) -> None:
-    from buffer.client import BufferClient
+    from sluice.buffer.client import BufferClient
     from sluice.trajectory import Trajectory
 
     # One buffer, a distinct view of it per trajectory (as a rollout's arrays are distinct):
@@ -394,7 +394,7 @@ def bench_sluice(
     """PUT + GET + ACK through `shards` shard processes. `reads`: the consumer reads every byte."""
     import xxhash
 
-    from buffer.client import BufferClient
+    from sluice.buffer.client import BufferClient
 
     batch = put_batch_for(size)
     capacity = max(4 * batch * shards, 4096)
@@ -507,7 +507,7 @@ def measure_memory(size: int, capacity: int, transport: str = "zmq") -> MemoryPo
     """Fill one shard to capacity; RSS of the shard process before and after. (Same host, the
     payload lies in the shard's segment files, i.e. the page cache: RSS counts the pages the
     shard mapped, once it read them to check their checksum.)"""
-    from buffer.client import BufferClient, BufferError
+    from sluice.buffer.client import BufferClient, BufferError
     from sluice.trajectory import Trajectory
 
     fleet = ShardFleet(

@@ -6,7 +6,7 @@ second of the hf engine (our transformers sampling loop, the baseline) and of th
 behaviour log-probs and the learner's recomputation.
 
 Part `sim`: real processes on this machine: one buffer shard (`sluice buffer`), the stand-in
-learner (`python -m rollout_svc.drain`: control plane + consumer), and sim rollout services
+learner (`python -m sluice.testing.drain`: control plane + consumer), and sim rollout services
 started with the per-role command (`sluice rollout --index i`), 1, 2, 4, ... up to
 `--max-services`, joining the running system step by step. For each count, aggregate samples/s
 consumed over a window once every service delivered, and the scaling efficiency against
@@ -53,11 +53,11 @@ def bench_engines(batches: list[int], max_new_tokens: int, reps: int, work: Path
 
     torch.set_num_threads(1)  # what each quickstart rollout service uses
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from rollout_svc.engines.base import SamplingParams
-    from rollout_svc.engines.hf import HFEngine
-    from rollout_svc.tasks.digits import CopyTask, DigitsConfig
     from sluice.config.model import ModelConfig
     from sluice.modeling import load_policy, materialize_model_dir
+    from sluice.rollout_svc.engines.base import SamplingParams
+    from sluice.rollout_svc.engines.hf import HFEngine
+    from sluice.rollout_svc.tasks.digits import CopyTask, DigitsConfig
 
     model_dir = materialize_model_dir(ModelConfig(), work)
     task = CopyTask(DigitsConfig(length=3), seed=0)
@@ -90,8 +90,8 @@ def bench_engines(batches: list[int], max_new_tokens: int, reps: int, work: Path
     hf_rates = measure(hf)
     del hf
 
-    from rollout_svc.engines.vllm import VLLMEngine
     from sluice.config.rollout import VllmEngineConfig
+    from sluice.rollout_svc.engines.vllm import VLLMEngine
 
     t0 = time.perf_counter()
     vllm = VLLMEngine(model_dir, "float32", 0, VllmEngineConfig())
@@ -121,9 +121,9 @@ def vllm_logprob_error(engine, model_dir: Path, prompts: list[list[int]], group:
     import numpy as np
     import torch
 
-    from learner.batch import collate, token_logprobs
-    from rollout_svc.engines.base import SamplingParams
+    from sluice.learner.batch import collate, token_logprobs
     from sluice.modeling import load_policy
+    from sluice.rollout_svc.engines.base import SamplingParams
     from sluice.trajectory import Trajectory
 
     model, tok = load_policy(model_dir)
@@ -177,7 +177,9 @@ class Cluster:
 
     def start_core(self) -> None:
         self._spawn(["-m", "sluice.cli", "buffer", str(self.config_path), "--shard", "0"], "buffer")
-        self._spawn(["-m", "rollout_svc.drain", str(self.config_path), "--out", str(self.timeline)], "drain")
+        self._spawn(
+            ["-m", "sluice.testing.drain", str(self.config_path), "--out", str(self.timeline)], "drain"
+        )
 
     def grow_to(self, n: int) -> None:
         while len(self.services) < n:

@@ -161,7 +161,7 @@ def build_model_dir(path: Path) -> int:
 
 
 def make_task(name: str, seed: int):
-    from rollout_svc.tasks.digits import CopyTask, DigitsConfig, ReverseTask
+    from sluice.rollout_svc.tasks.digits import CopyTask, DigitsConfig, ReverseTask
 
     cls = {"copy": CopyTask, "reverse": ReverseTask}[name]
     return cls(DigitsConfig(length=TASK_LENGTH), seed)
@@ -459,7 +459,7 @@ def trl_dataset(task, tokenizer, rows: int):
 
 def make_reward(task, eos_id: int):
     """The task's own `score`, on the text and `finished` flag the Sluice rollout would use."""
-    from rollout_svc.tasks.base import Prompt
+    from sluice.rollout_svc.tasks.base import Prompt
 
     def digits_reward(completions, completion_ids, reference, **_) -> list[float]:
         return [

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from sluice.config.weight_sync import WeightSyncConfig  # noqa: E402
 from sluice.net import free_port  # noqa: E402
-from weight_sync.group import epoch_backend, make_group, wait_work  # noqa: E402
+from sluice.weight_sync.group import epoch_backend, make_group, wait_work  # noqa: E402
 
 RAW_PREFIX = "bench/raw/"
 PULL_KEY = "bench/pull"
@@ -102,8 +102,8 @@ class RandomModel(torch.nn.Module):
 
 
 def receiver_main(args: argparse.Namespace) -> int:
-    from weight_sync.receiver import WeightReceiver
-    from weight_sync.transfer_client import pull_snapshot
+    from sluice.weight_sync.receiver import WeightReceiver
+    from sluice.weight_sync.transfer_client import pull_snapshot
 
     torch.set_num_threads(1)
     device = torch.device(
@@ -169,7 +169,7 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, wire: torch.T
 
     from sluice.control.admission import AdmissionPolicy
     from sluice.control.server import ControlServer
-    from weight_sync.broadcaster import WeightBroadcaster
+    from sluice.weight_sync.broadcaster import WeightBroadcaster
 
     device = torch.device(args.device)
     backend = case_backend(args, n)
@@ -270,7 +270,7 @@ def run_case(args: argparse.Namespace, model: RandomModel, n: int, wire: torch.T
 def produce_only(args: argparse.Namespace, model: RandomModel) -> list[float]:
     """Publishes with no receiver: the learner's own work per version (gather, cast and pack,
     checksums, snapshot), which a publish overlaps with the broadcast."""
-    from weight_sync.broadcaster import WeightBroadcaster
+    from sluice.weight_sync.broadcaster import WeightBroadcaster
 
     cfg = WeightSyncConfig(
         master_port=free_port(),

@@ -33,8 +33,8 @@ import xxhash
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from weight_sync.checksums import SlotHasher, piece_wsum, wsum_words  # noqa: E402
-from weight_sync.layout import TensorSpec, pack_bucket, piece_bounds, plan_buckets  # noqa: E402
+from sluice.weight_sync.checksums import SlotHasher, piece_wsum, wsum_words  # noqa: E402
+from sluice.weight_sync.layout import TensorSpec, pack_bucket, piece_bounds, plan_buckets  # noqa: E402
 
 
 def synchronize(device: torch.device) -> None:

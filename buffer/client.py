@@ -58,8 +58,8 @@ import numpy as np
 import xxhash
 import zmq
 
-from buffer.link import Backoff, Call, Lost, NotSent, ShardLink, wait_all
-from buffer.same_host import RegionPayload
+from sluice.buffer.link import Backoff, Call, Lost, NotSent, ShardLink, wait_all
+from sluice.buffer.same_host import RegionPayload
 from sluice.config.buffer import BufferConfig
 from sluice.rpc import RpcError as BufferError
 from sluice.rpc import RpcTimeout as BufferTimeout

@@ -16,8 +16,8 @@ import uuid
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 
-from buffer.groups import Group, GroupIncomplete, PreparedPut, ShardFull
-from buffer.store import ShardStore, StoreCounters
+from sluice.buffer.groups import Group, GroupIncomplete, PreparedPut, ShardFull
+from sluice.buffer.store import ShardStore, StoreCounters
 
 __all__ = ["FifoStore", "GroupIncomplete", "Lease", "ShardFull", "StoreCounters"]
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from buffer.dedupe import DedupeWindow, id_hash
+from sluice.buffer.dedupe import DedupeWindow, id_hash
 from sluice.wire.codec import Frame
 from sluice.wire.messages import TrajectoryMeta
 

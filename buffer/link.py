@@ -35,8 +35,8 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from buffer.same_host import SameHostPeer, host_id
-from buffer.sockets import client_socket, recv_frames, send_frames
+from sluice.buffer.same_host import SameHostPeer, host_id
+from sluice.buffer.sockets import client_socket, recv_frames, send_frames
 from sluice.rpc import RpcError, RpcTimeout
 from sluice.wire import codec
 from sluice.wire.messages import PROTO_VERSION, ErrorReply, HelloReply, HelloRequest

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from buffer.groups import Group, PreparedPut
-from buffer.store import ShardStore
-from buffer.sumtree import SumTree
+from sluice.buffer.groups import Group, PreparedPut
+from sluice.buffer.store import ShardStore
+from sluice.buffer.sumtree import SumTree
 from sluice.config.buffer import ReplayConfig
 
 

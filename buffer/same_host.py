@@ -27,8 +27,8 @@ from pathlib import Path
 
 import xxhash
 
-from buffer.log_records import REGION_ALIGN, array_sizes, region_layout, write_all
-from buffer.segment_maps import SegmentGone, SegmentMaps
+from sluice.buffer.log_records import REGION_ALIGN, array_sizes, region_layout, write_all
+from sluice.buffer.segment_maps import SegmentGone, SegmentMaps
 from sluice.trajectory import Trajectory
 from sluice.wire import codec
 from sluice.wire.messages import HelloReply, Region, TrajectoryMeta, TrajRef

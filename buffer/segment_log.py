@@ -70,9 +70,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from buffer.dedupe import id_hash
-from buffer.groups import Group, Loc, PreparedPut, StoredTrajectory
-from buffer.log_records import (
+from sluice.buffer.dedupe import id_hash
+from sluice.buffer.groups import Group, Loc, PreparedPut, StoredTrajectory
+from sluice.buffer.log_records import (
     PREFIX,
     AckRecord,
     CorruptRecord,
@@ -91,8 +91,8 @@ from buffer.log_records import (
     split_group_frames,
     write_all,
 )
-from buffer.segment_maps import SegmentMaps, segment_name
-from buffer.view_pins import ViewPins
+from sluice.buffer.segment_maps import SegmentMaps, segment_name
+from sluice.buffer.view_pins import ViewPins
 from sluice.config.buffer import BufferConfig
 
 log = logging.getLogger(__name__)

@@ -41,16 +41,16 @@ import numpy as np
 import xxhash
 import zmq
 
-from buffer.fifo_store import FifoStore
-from buffer.groups import Group, GroupIncomplete, PutTooLarge, ShardFull
-from buffer.log_records import array_sizes, region_layout
-from buffer.metrics import ShardMetrics
-from buffer.replay_store import ReplayStore
-from buffer.same_host import host_id, make_arena, write_token
-from buffer.segment_log import LogWriteError, NoSuchRegion, RecoveredState, Snapshot, build_log
-from buffer.segment_maps import SegmentGone
-from buffer.sockets import recv_frames, send_frames, shard_socket
-from buffer.store import ShardStore, build_store
+from sluice.buffer.fifo_store import FifoStore
+from sluice.buffer.groups import Group, GroupIncomplete, PutTooLarge, ShardFull
+from sluice.buffer.log_records import array_sizes, region_layout
+from sluice.buffer.metrics import ShardMetrics
+from sluice.buffer.replay_store import ReplayStore
+from sluice.buffer.same_host import host_id, make_arena, write_token
+from sluice.buffer.segment_log import LogWriteError, NoSuchRegion, RecoveredState, Snapshot, build_log
+from sluice.buffer.segment_maps import SegmentGone
+from sluice.buffer.sockets import recv_frames, send_frames, shard_socket
+from sluice.buffer.store import ShardStore, build_store
 from sluice.config.buffer import BufferConfig
 from sluice.rpc import split_envelope
 from sluice.wire import codec

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
-from buffer.metrics import ShardMetrics
-from buffer.server import ShardServer
+from sluice.buffer.metrics import ShardMetrics
+from sluice.buffer.server import ShardServer
 from sluice.config.run import RunConfig
 from sluice.metrics import PrometheusEndpoint, record_endpoint
 from sluice.security import secure_context

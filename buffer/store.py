@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from buffer.dedupe import DedupeWindow
-from buffer.groups import Group, Loc, PreparedPut, PutTooLarge, assemble_groups
+from sluice.buffer.dedupe import DedupeWindow
+from sluice.buffer.groups import Group, Loc, PreparedPut, PutTooLarge, assemble_groups
 from sluice.config.buffer import BufferConfig
 from sluice.wire.codec import Frame
 from sluice.wire.messages import TrajectoryMeta
@@ -169,8 +169,8 @@ class ShardStore(ABC):
 
 def build_store(cfg: BufferConfig) -> ShardStore:
     """The store of `cfg.mode`."""
-    from buffer.fifo_store import FifoStore
-    from buffer.replay_store import ReplayStore
+    from sluice.buffer.fifo_store import FifoStore
+    from sluice.buffer.replay_store import ReplayStore
 
     common = dict(
         capacity=cfg.capacity,

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.dist import DistContext
+from sluice.learner.dist import DistContext
 
 HF_FILES_EXCLUDED = {"optimizer.pt", "scheduler.pt", "trainer_state.json", "acked.json", "deepspeed"}
 

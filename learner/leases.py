@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from buffer.client import BufferClient, BufferError, LeasedBatch
+from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.trajectory import Trajectory
 
 log = logging.getLogger(__name__)

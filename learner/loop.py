@@ -30,25 +30,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from buffer.client import BufferClient
-from learner.balance import assign_to_ranks
-from learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
-from learner.dist import DistContext, init_dist, pick_device
-from learner.leases import LeaseLedger
-from learner.metrics import LearnerMetrics
-from learner.source import BatchSource, FetchedBatch
-from learner.trainer import Trainer
-from learner.transfer import pack, unpack
+from sluice.buffer.client import BufferClient
 from sluice.config.policy import policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer
 from sluice.launch.threads import role_threads
+from sluice.learner.balance import assign_to_ranks
+from sluice.learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
+from sluice.learner.dist import DistContext, init_dist, pick_device
+from sluice.learner.leases import LeaseLedger
+from sluice.learner.metrics import LearnerMetrics
+from sluice.learner.source import BatchSource, FetchedBatch
+from sluice.learner.trainer import Trainer
+from sluice.learner.transfer import pack, unpack
 from sluice.metrics import JsonlLog
 from sluice.modeling.policy import materialize_policy_dir
 from sluice.security import secure_context
 from sluice.trajectory import Trajectory
-from weight_sync.broadcaster import WeightBroadcaster
+from sluice.weight_sync.broadcaster import WeightBroadcaster
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from buffer.client import BufferClient, LeasedBatch
+from sluice.buffer.client import BufferClient, LeasedBatch
 from sluice.config.learner import LearnerConfig
 
 

@@ -14,21 +14,21 @@ from pathlib import Path
 
 import torch
 
-from learner.backends.base import TrainBackend, build_backend
-from learner.dist import DistContext
-from learner.losses.aggregate import Denominator
-from learner.objectives.base import Objective
 from sluice.config.run import RunConfig
+from sluice.learner.backends.base import TrainBackend, build_backend
+from sluice.learner.dist import DistContext
+from sluice.learner.losses.aggregate import Denominator
+from sluice.learner.objectives.base import Objective
 from sluice.modeling.policy import load_policy_model
 from sluice.trajectory import Trajectory
 
 
 def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir: Path, device) -> Objective:
     if cfg.model.kind == "mlp":
-        from learner.objectives.env import EnvObjective
+        from sluice.learner.objectives.env import EnvObjective
 
         return EnvObjective(cfg.learner.loss, model.config.obs_dim, device)
-    from learner.objectives.token import TokenObjective
+    from sluice.learner.objectives.token import TokenObjective
 
     return TokenObjective(
         cfg.learner.loss,

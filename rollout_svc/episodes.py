@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout_svc.engines.base import Completion, Engine, InterruptPoll, SamplingParams, TokenCodec
-from rollout_svc.tasks.base import EnvReply, Episode, MultiTurnTask, Prompt, Task
+from sluice.rollout_svc.engines.base import Completion, Engine, InterruptPoll, SamplingParams, TokenCodec
+from sluice.rollout_svc.tasks.base import EnvReply, Episode, MultiTurnTask, Prompt, Task
 from sluice.wire.messages import Scalar
 
 
@@ -41,17 +41,21 @@ class Sample:
         return int(model.min()) if len(model) else -1
 
 
-def single_turn(
-    engine: Engine,
-    task: Task,
-    prompts: Sequence[Prompt],
-    prompt_ids: Sequence[list[int]],
-    n: int,
-    params: SamplingParams,
-    interrupt: InterruptPoll | None,
-    truncated_reward: float | None,
-) -> list[list[Sample]]:
-    groups = engine.generate(prompt_ids, n, params, interrupt)
+@dataclass(frozen=True)
+class GroupRequest:
+    """What to roll out: `n` samples (completions or episodes) for each prompt."""
+
+    prompts: Sequence[Prompt]
+    prompt_ids: Sequence[list[int]]  # each prompt tokenized, BOS first
+    n: int
+    params: SamplingParams
+    interrupt: InterruptPoll | None  # new weights to take between decode steps
+    truncated_reward: float | None  # the reward of a sample cut at its budget (None: as scored)
+
+
+def single_turn(engine: Engine, task: Task, req: GroupRequest) -> list[list[Sample]]:
+    prompts, n, truncated_reward = req.prompts, req.n, req.truncated_reward
+    groups = engine.generate(req.prompt_ids, n, req.params, req.interrupt)
     out = []
     for prompt, group in zip(prompts, groups):
         samples = []
@@ -126,16 +130,8 @@ class _EpisodeState:
         )
 
 
-def multi_turn(
-    engine: Engine,
-    task: MultiTurnTask,
-    prompts: Sequence[Prompt],
-    prompt_ids: Sequence[list[int]],
-    n: int,
-    params: SamplingParams,
-    interrupt: InterruptPoll | None,
-    truncated_reward: float | None,
-) -> list[list[Sample]]:
+def multi_turn(engine: Engine, task: MultiTurnTask, req: GroupRequest) -> list[list[Sample]]:
+    prompts, prompt_ids, n, params = req.prompts, req.prompt_ids, req.n, req.params
     tok: TokenCodec = engine.tokenizer
     episodes = [
         _EpisodeState(i, task.start(prompt), list(prompt_ids[i]))
@@ -150,7 +146,7 @@ def multi_turn(
         live = [e for e in live if e.ending is None]
         if not live:
             break
-        completions = engine.generate([e.context for e in live], 1, params, interrupt)
+        completions = engine.generate([e.context for e in live], 1, params, req.interrupt)
         for e, (c,) in zip(live, completions):
             e.add_model(c)
             reply = e.episode.respond(tok.decode(c.token_ids.tolist(), skip_special_tokens=True), c.finished)
@@ -165,4 +161,6 @@ def multi_turn(
     for e in episodes:
         if e.ending is None:
             e.end(e.episode.cut_short(), truncated=True)
-    return [[e.sample(truncated_reward) for e in episodes[i * n : (i + 1) * n]] for i in range(len(prompts))]
+    return [
+        [e.sample(req.truncated_reward) for e in episodes[i * n : (i + 1) * n]] for i in range(len(prompts))
+    ]

@@ -12,7 +12,10 @@ from __future__ import annotations
 import threading
 from typing import Protocol
 
-from rollout_svc.engines.base import WeightUpdate
+import zmq
+
+from sluice.config.run import RunConfig
+from sluice.rollout_svc.engines.base import WeightUpdate
 
 
 class WeightFeed(Protocol):
@@ -66,6 +69,22 @@ class ReceiverFeed:
 
     def stop(self) -> None:
         self.receiver.stop()
+
+
+def receiver_feed(cfg: RunConfig, service_id: str, zmq_ctx: zmq.Context | None) -> ReceiverFeed:
+    """A weight-sync receiver for service `service_id` (torch is imported only here)."""
+    import torch
+
+    from sluice.weight_sync.receiver import WeightReceiver
+
+    receiver = WeightReceiver(
+        cfg.weight_sync,
+        service_id=service_id,
+        device=torch.device("cpu"),
+        control_endpoint=cfg.control.endpoint,
+        zmq_ctx=zmq_ctx,
+    )
+    return ReceiverFeed(receiver)
 
 
 def _update(received) -> WeightUpdate | None:

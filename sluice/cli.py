@@ -57,7 +57,7 @@ def _validate_plugins(cfg: RunConfig) -> None:
 
             env_spaces(cfg.env.id, cfg.env.kwargs)
             return
-        from rollout_svc.tasks.registry import build_task
+        from sluice.rollout_svc.tasks.registry import build_task
 
         build_task(cfg.task, seed=0)
     except ConfigError as e:
@@ -104,19 +104,22 @@ def ray_(config: ConfigArg, overrides: OverridesArg = None, no_progress: NoProgr
     raise typer.Exit(run_ray(cfg, show_progress=not no_progress))
 
 
+# A role's index; default: SLUICE_INDEX, SLURM_PROCID, JOB_COMPLETION_INDEX, 0 (`_index`).
+IndexOpt = Annotated[
+    int | None, typer.Option(help="index (default: SLUICE_INDEX, SLURM_PROCID, JOB_COMPLETION_INDEX, 0)")
+]
+
+
 @app.command()
 def buffer(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    shard: Annotated[
-        int | None,
-        typer.Option(help="shard index (default: SLUICE_INDEX, SLURM_PROCID, JOB_COMPLETION_INDEX, 0)"),
-    ] = None,
+    shard: IndexOpt = None,
 ) -> None:
     """Serve one buffer shard."""
     cfg = _load(config, overrides)
     k = _index(shard)
-    from buffer.service import run_buffer
+    from sluice.buffer.service import run_buffer
 
     raise typer.Exit(run_role(f"buffer-{k}", lambda stop: run_buffer(cfg, k, stop)))
 
@@ -125,19 +128,16 @@ def buffer(
 def rollout(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    index: Annotated[
-        int | None,
-        typer.Option(help="service index (default: SLUICE_INDEX, SLURM_PROCID, JOB_COMPLETION_INDEX, 0)"),
-    ] = None,
+    index: IndexOpt = None,
 ) -> None:
     """Run one rollout service (`rollout.kind` llm: LLM generation; env: gymnasium envs)."""
     cfg = _load(config, overrides)
     _validate_plugins(cfg)
     i = _index(index)
     if cfg.rollout.kind == "env":
-        from rollout_svc.env_service import run_env_rollout as run_rollout
+        from sluice.rollout_svc.env_service import run_env_rollout as run_rollout
     else:
-        from rollout_svc.service import run_rollout
+        from sluice.rollout_svc.service import run_rollout
 
     raise typer.Exit(run_role(f"rollout-{i}", lambda stop: run_rollout(cfg, i, stop)))
 
@@ -163,7 +163,7 @@ def learner(
     except ValueError as e:
         typer.echo(f"config error: --policy: {e}", err=True)
         raise typer.Exit(EXIT_CONFIG) from None
-    from learner.loop import run_learner
+    from sluice.learner.loop import run_learner
 
     role = learner_role(cfg, policy_id, int(os.environ.get("RANK", "0")))
     raise typer.Exit(run_role(role, lambda stop: run_learner(cfg, stop, policy_id)))

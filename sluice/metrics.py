@@ -1,7 +1,8 @@
 """Metrics every role writes: a Prometheus endpoint, a JSONL log, and an endpoint record.
 
 No global state: each role owns a `CollectorRegistry` (not prometheus_client's default one), so
-several roles in one process (tests, the in-process mode) never collide.
+several roles in one process (tests run a shard, a control server and a service in threads)
+never collide.
 """
 
 from __future__ import annotations

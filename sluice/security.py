@@ -44,25 +44,11 @@ class KeyFiles:
 
     directory: Path
 
-    @property
-    def server_public(self) -> Path:
-        return self.directory / f"{SERVER}.key"
-
-    @property
-    def server_secret(self) -> Path:
-        return self.directory / f"{SERVER}.key_secret"
-
-    @property
-    def client_public(self) -> Path:
-        return self.directory / f"{CLIENT}.key"
-
-    @property
-    def client_secret(self) -> Path:
-        return self.directory / f"{CLIENT}.key_secret"
-
-    @property
-    def authorized(self) -> Path:
-        return self.directory / AUTHORIZED
+    server_public = property(lambda self: self.directory / f"{SERVER}.key")
+    server_secret = property(lambda self: self.directory / f"{SERVER}.key_secret")
+    client_public = property(lambda self: self.directory / f"{CLIENT}.key")
+    client_secret = property(lambda self: self.directory / f"{CLIENT}.key_secret")
+    authorized = property(lambda self: self.directory / AUTHORIZED)
 
 
 def generate_keys(directory: str | Path, overwrite: bool = False) -> KeyFiles:

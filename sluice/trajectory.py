@@ -1,4 +1,4 @@
-"""The unit of experience: named arrays plus metadata (DESIGN section 5).
+"""The unit of experience: named arrays plus metadata.
 
 LLM trajectories carry `prompt_ids`, `completion_ids`, `behaviour_logprobs` (one per
 completion token) and `token_versions` (the policy version that sampled each completion

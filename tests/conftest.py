@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from buffer.server import ShardServer
+from sluice.buffer.server import ShardServer
 from sluice.config.buffer import BufferConfig
 from sluice.net import free_port
 

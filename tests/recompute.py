@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from learner.batch import collate, token_logprobs
-from rollout_svc.engines.base import Completion
+from sluice.learner.batch import collate, token_logprobs
+from sluice.rollout_svc.engines.base import Completion
 from sluice.trajectory import Trajectory
 
 

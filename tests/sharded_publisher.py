@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 from sluice.config.weight_sync import WeightSyncConfig
-from weight_sync.broadcaster import WeightBroadcaster
-from weight_sync.probe import digest
-from weight_sync.source import ModuleSource, ZeRO3Source
+from sluice.weight_sync.broadcaster import WeightBroadcaster
+from sluice.weight_sync.probe import digest
+from sluice.weight_sync.source import ModuleSource, ZeRO3Source
 
 BUCKET_MB = 0.5  # every tensor (256x256 fp32 = 256 KiB) is smaller than a bucket
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zmq
 
-from buffer.client import BufferClient, BufferError, ShardUnavailable, shard_of
+from sluice.buffer.client import BufferClient, BufferError, ShardUnavailable, shard_of
 from sluice.net import free_port
 
 TRANSPORTS = ["zmq", "shm"]  # every shard test runs over both (tests/conftest.py)

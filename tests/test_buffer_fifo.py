@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import zmq
 
-from buffer.client import BufferClient, BufferError
-from buffer.fifo_store import FifoStore, GroupIncomplete, ShardFull
+from sluice.buffer.client import BufferClient, BufferError
+from sluice.buffer.fifo_store import FifoStore, GroupIncomplete, ShardFull
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec
 

@@ -12,7 +12,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from buffer.log_records import CorruptRecord, read_record
+from sluice.buffer.log_records import CorruptRecord, read_record
 from sluice.config.buffer import ReplayConfig
 from sluice.wire.messages import ErrorCode
 

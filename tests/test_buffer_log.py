@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from buffer.client import BufferClient, BufferError, SampleRef
-from buffer.fifo_store import FifoStore
-from buffer.log_records import PREFIX
-from buffer.segment_log import LogCorrupt, SegmentLog, Snapshot, recycle_keep
+from sluice.buffer.client import BufferClient, BufferError, SampleRef
+from sluice.buffer.fifo_store import FifoStore
+from sluice.buffer.log_records import PREFIX
+from sluice.buffer.segment_log import LogCorrupt, SegmentLog, Snapshot, recycle_keep
 from sluice.config.buffer import BufferConfig, ReplayConfig
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec
@@ -295,7 +295,7 @@ def test_a_recycled_segment_never_replays_its_old_contents(tmp_path):
 
 
 def _seal_bytes(n: int) -> bytes:
-    from buffer.log_records import SealRecord, encode_record
+    from sluice.buffer.log_records import SealRecord, encode_record
 
     return b"".join(bytes(b) for b in encode_record(SealRecord(), seed=n)[0])
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from buffer.client import BufferClient, BufferError, LeasedBatch
+from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.trajectory import Trajectory
 
 TRANSPORTS = ["zmq", "shm"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from buffer.client import BufferClient, BufferError, BufferTimeout
+from sluice.buffer.client import BufferClient, BufferError, BufferTimeout
 from sluice.net import free_port
 from sluice.trajectory import Trajectory
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import zmq
 
-from buffer.client import BufferClient, BufferError, SampleRef, shard_of
-from buffer.replay_store import ReplayStore, importance_weights
-from buffer.sumtree import SumTree
+from sluice.buffer.client import BufferClient, BufferError, SampleRef, shard_of
+from sluice.buffer.replay_store import ReplayStore, importance_weights
+from sluice.buffer.sumtree import SumTree
 from sluice.config.buffer import ReplayConfig
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec

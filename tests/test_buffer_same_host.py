@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from buffer import same_host
-from buffer.client import BufferClient, BufferError
-from buffer.link import Call, wait_all
-from buffer.log_records import REGION_ALIGN, region_layout
-from buffer.same_host import RegionPayload
-from buffer.segment_log import SegmentLog, Snapshot
-from buffer.view_pins import ViewPins
+from sluice.buffer import same_host
+from sluice.buffer.client import BufferClient, BufferError
+from sluice.buffer.link import Call, wait_all
+from sluice.buffer.log_records import REGION_ALIGN, region_layout
+from sluice.buffer.same_host import RegionPayload
+from sluice.buffer.segment_log import SegmentLog, Snapshot
+from sluice.buffer.view_pins import ViewPins
 from sluice.config.buffer import BufferConfig
 from sluice.trajectory import Trajectory
 from sluice.wire.messages import PROTO_VERSION, PutRequest, ReserveRequest
@@ -256,8 +256,8 @@ def _reserve(client: BufferClient, nbytes: int):
 KILLED_PRODUCER = """
 import os, signal, sys
 import numpy as np
-from buffer.client import BufferClient
-from buffer.link import Call, wait_all
+from sluice.buffer.client import BufferClient
+from sluice.buffer.link import Call, wait_all
 from sluice.wire.messages import PROTO_VERSION, ReserveRequest
 client = BufferClient([sys.argv[1]], timeout_s=10)
 assert client.ping(timeout_s=10) and client.links[0].peer is not None

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from learner.dist import DistContext
-from learner.objectives.env import EnvObjective, collate_segments, evaluate
-from rollout_svc.env_service import MLPActor
-from rollout_svc.envs.gym_runner import GymRunner
 from sluice.config import ConfigError, EnvConfig, LossConfig, MLPModelInit, load_config
 from sluice.config.policy import policy_of_service, policy_view, services_of
+from sluice.learner.dist import DistContext
+from sluice.learner.objectives.env import EnvObjective, collate_segments, evaluate
 from sluice.modeling.mlp import MLPPolicy, build_mlp_policy
+from sluice.rollout_svc.env_service import MLPActor
+from sluice.rollout_svc.envs.gym_runner import GymRunner
 from sluice.trajectory import Trajectory
 
 
@@ -150,7 +150,7 @@ def test_env_objective_pieces_cover_the_batch_and_sum_to_the_whole_loss(loss_typ
     batch = obj.prepare(model, [segment(None), segment(2), segment(1)], DistContext())
     whole = obj.micro(batch, 1)
     pieces = obj.micro(batch, 2)
-    from learner.losses.aggregate import Denominator
+    from sluice.learner.losses.aggregate import Denominator
 
     tokens, seqs = obj.counts(whole[0])
     assert sum(obj.counts(p)[0] for p in pieces) == tokens == 12

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from buffer.client import BufferClient
+from sluice.buffer.client import BufferClient
 from sluice.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.checkpoint import save_checkpoint
-from learner.dist import DistContext
-from learner.trainer import Trainer
 from sluice.config.loader import load_config
 from sluice.export import ExportError, export_checkpoint, resolve_checkpoint
+from sluice.learner.checkpoint import save_checkpoint
+from sluice.learner.dist import DistContext
+from sluice.learner.trainer import Trainer
 from sluice.modeling import load_policy
 from sluice.modeling.policy import materialize_policy_dir
 from sluice.plots import write_run_plots

@@ -7,12 +7,12 @@ import math
 import numpy as np
 import torch
 
-from learner.batch import collate, token_logprobs
-from learner.losses.grpo import group_advantages, group_indices, grpo_loss
-from rollout_svc.engines.base import SamplingParams
-from rollout_svc.engines.hf import HFEngine
 from sluice.config.model import ModelConfig
+from sluice.learner.batch import collate, token_logprobs
+from sluice.learner.losses.grpo import group_advantages, group_indices, grpo_loss
 from sluice.modeling import load_policy, materialize_model_dir
+from sluice.rollout_svc.engines.base import SamplingParams
+from sluice.rollout_svc.engines.hf import HFEngine
 from sluice.trajectory import Trajectory
 
 

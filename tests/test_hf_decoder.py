@@ -15,9 +15,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from rollout_svc.engines.base import SamplingParams
-from rollout_svc.engines.hf import HFEngine, TransformersDecoder, build_decoder
-from rollout_svc.engines.lean_llama import LeanLlamaDecoder, unsupported_reason
+from sluice.rollout_svc.engines.base import SamplingParams
+from sluice.rollout_svc.engines.hf import HFEngine, TransformersDecoder, build_decoder
+from sluice.rollout_svc.engines.lean_llama import LeanLlamaDecoder, unsupported_reason
 
 
 def llama(**overrides) -> LlamaForCausalLM:

@@ -8,10 +8,10 @@ import pytest
 import torch
 from recompute import max_logprob_error
 
-from rollout_svc.engines.base import SamplingParams, WeightUpdate
-from rollout_svc.engines.hf import HFEngine
 from sluice.config.model import ModelConfig
 from sluice.modeling import load_policy, materialize_model_dir
+from sluice.rollout_svc.engines.base import SamplingParams, WeightUpdate
+from sluice.rollout_svc.engines.hf import HFEngine
 
 TEMPERATURE = 0.8
 

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from buffer.client import BufferClient
-from learner.balance import assign_to_ranks, balance
-from learner.checkpoint import load_rng, read_state, resolve_resume, rng_state, save_checkpoint
-from learner.dist import DistContext
-from learner.schedule import lr_factor
-from learner.source import BatchSource
-from learner.trainer import Trainer
-from learner.transfer import pack, unpack
+from sluice.buffer.client import BufferClient
 from sluice.config import LearnerConfig, load_config
 from sluice.export import ExportError, export_checkpoint
+from sluice.learner.balance import assign_to_ranks, balance
+from sluice.learner.checkpoint import load_rng, read_state, resolve_resume, rng_state, save_checkpoint
+from sluice.learner.dist import DistContext
+from sluice.learner.schedule import lr_factor
+from sluice.learner.source import BatchSource
+from sluice.learner.trainer import Trainer
+from sluice.learner.transfer import pack, unpack
 from sluice.modeling.policy import materialize_policy_dir
 from sluice.trajectory import Trajectory
 
@@ -238,9 +238,9 @@ def test_checkpoint_restores_model_optimizer_and_state_and_exports(tmp_path, kin
     [{"type": "grpo", "aggregation": "sequence"}, {"type": "ppo"}, {"type": "decoupled_ppo", "kl_coef": 0.1}],
 )
 def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss):
-    from learner.losses.aggregate import Denominator
-    from learner.objectives.token import TokenObjective
     from sluice.config import LossConfig
+    from sluice.learner.losses.aggregate import Denominator
+    from sluice.learner.objectives.token import TokenObjective
     from sluice.modeling import load_policy
 
     cfg = load_config(

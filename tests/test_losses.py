@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from learner.losses.aggregate import Denominator, aggregate
-from learner.losses.decoupled import behaviour_weights, decoupled_ppo_loss
-from learner.losses.grpo import grpo_loss
-from learner.losses.kl import kl_penalty
-from learner.losses.ppo import clipped_surrogate, gae, value_loss
-from learner.losses.vtrace import vtrace_loss, vtrace_targets
+from sluice.learner.losses.aggregate import Denominator, aggregate
+from sluice.learner.losses.decoupled import behaviour_weights, decoupled_ppo_loss
+from sluice.learner.losses.grpo import grpo_loss
+from sluice.learner.losses.kl import kl_penalty
+from sluice.learner.losses.ppo import clipped_surrogate, gae, value_loss
+from sluice.learner.losses.vtrace import vtrace_loss, vtrace_targets
 
 T = torch.tensor
 

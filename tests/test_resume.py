@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import yaml
 
-from buffer.client import BufferClient, LeasedBatch
-from learner.leases import LeaseLedger
+from sluice.buffer.client import BufferClient, LeasedBatch
+from sluice.learner.leases import LeaseLedger
 from sluice.metrics import read_jsonl
 from sluice.net import free_port
 from sluice.trajectory import Trajectory

@@ -1,6 +1,6 @@
 """Rollout services as real processes (sim engine: no model, so these run in seconds) against
 a real buffer shard and the real control plane, served by the stand-in learner
-(`rollout_svc/drain.py`): admission control under a slow learner, services joining and
+(`sluice/testing/drain.py`): admission control under a slow learner, services joining and
 leaving a running system, and the DAPO zero-variance filter with its quota refunds."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from buffer.client import BufferClient
-from rollout_svc.drain import Drain
-from rollout_svc.service import RolloutService
+from sluice.buffer.client import BufferClient
 from sluice.config.loader import config_from_dict, dump_config
 from sluice.control.client import ControlClient
 from sluice.metrics import read_jsonl
 from sluice.net import free_port
+from sluice.rollout_svc.service import build_actor
+from sluice.testing.drain import Drain
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,7 +167,7 @@ class ServiceThread:
         self.drain = Drain(cfg)
         self.drain.control.start()
         self.stop = threading.Event()
-        self.service = RolloutService(cfg, 0, self.stop)
+        self.service = build_actor(cfg, 0, self.stop)
         self.thread = threading.Thread(target=self.service.run, daemon=True)
         self.thread.start()
 
@@ -175,7 +175,7 @@ class ServiceThread:
         deadline = time.monotonic() + timeout_s
         try:
             while not predicate(self.service):
-                assert self.thread.is_alive() and time.monotonic() < deadline, self.service._totals
+                assert self.thread.is_alive() and time.monotonic() < deadline, self.service.totals
                 time.sleep(0.05)
         finally:
             self.stop.set()
@@ -206,7 +206,7 @@ def test_overlong_prompts_are_skipped_and_refunded(tmp_path, shard_factory):
         learner={"batch_size": 64, "max_staleness": 3},
     )
     st = ServiceThread(cfg)
-    st.run_until(lambda s: s.overlong_prompts >= 3 and s.delivered >= 8)
+    st.run_until(lambda s: s.producer.overlong_prompts >= 3 and s.delivered >= 8)
     assert st.drain.control.admission.started == st.service.delivered
     got = st.buffered(cfg)
     assert len(got) == st.service.delivered
@@ -223,7 +223,7 @@ def test_zero_variance_groups_are_dropped_and_their_quota_refunded(tmp_path, sha
         learner={"batch_size": 64, "max_staleness": 3},
     )  # fmt: skip
     st = ServiceThread(cfg)
-    st.run_until(lambda s: s._totals["dropped_groups"] >= 5 and s.delivered >= 16)
+    st.run_until(lambda s: s.totals.get("dropped_groups", 0) >= 5 and s.delivered >= 16)
     assert st.drain.control.admission.started == st.service.delivered  # dropped groups' quota came back
     got = st.buffered(cfg)
     assert len(got) == st.service.delivered

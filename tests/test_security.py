@@ -9,8 +9,8 @@ import time
 import pytest
 import zmq
 
-from buffer.client import BufferClient, BufferTimeout
-from buffer.server import ShardServer
+from sluice.buffer.client import BufferClient, BufferTimeout
+from sluice.buffer.server import ShardServer
 from sluice.config.buffer import BufferConfig
 from sluice.config.security import SecurityConfig
 from sluice.control.admission import AdmissionPolicy

@@ -9,11 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from rollout_svc.engines.base import SamplingParams, WeightUpdate
-from rollout_svc.engines.sim import SimEngine, WordTokenizer
 from sluice.config.model import VOCABULARIES
 from sluice.config.rollout import SimEngineConfig
 from sluice.modeling import build_tokenizer
+from sluice.rollout_svc.engines.base import SamplingParams, WeightUpdate
+from sluice.rollout_svc.engines.sim import SimEngine, WordTokenizer
 
 TOKENS = VOCABULARIES["digits"]
 

@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from learner.batch import collate
-from rollout_svc.engines.base import SamplingParams
-from rollout_svc.engines.sim import SimEngine
-from rollout_svc.episodes import multi_turn
-from rollout_svc.tasks.calculator import CalculatorConfig, CalculatorEpisode, CalculatorTask, evaluate
-from rollout_svc.tasks.math_check import answers_match, extract_answer, math_reward
-from rollout_svc.tasks.registry import build_task
 from sluice.config.loader import ConfigError
 from sluice.config.model import VOCABULARIES
 from sluice.config.rollout import SimEngineConfig, TaskConfig
+from sluice.learner.batch import collate
+from sluice.rollout_svc.engines.base import SamplingParams
+from sluice.rollout_svc.engines.sim import SimEngine
+from sluice.rollout_svc.episodes import GroupRequest, multi_turn
+from sluice.rollout_svc.tasks.calculator import CalculatorConfig, CalculatorEpisode, CalculatorTask, evaluate
+from sluice.rollout_svc.tasks.math_check import answers_match, extract_answer, math_reward
+from sluice.rollout_svc.tasks.registry import build_task
 from sluice.trajectory import Trajectory
 
 
@@ -125,7 +125,9 @@ def test_multi_turn_episodes_through_an_engine_into_the_learner_batch():
     tok = engine.tokenizer
     prompts = task.sample(40)
     prompt_ids = [[tok.bos_token_id, *tok.encode(p.text)] for p in prompts]
-    groups = multi_turn(engine, task, prompts, prompt_ids, 4, SamplingParams(6, 1.0), None, None)
+    groups = multi_turn(
+        engine, task, GroupRequest(prompts, prompt_ids, 4, SamplingParams(6, 1.0), None, None)
+    )
     multi = 0
     trajs = []
     for p, ids, g in zip(prompts, prompt_ids, groups):

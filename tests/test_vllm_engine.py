@@ -14,10 +14,10 @@ import pytest
 import torch
 from recompute import max_logprob_error
 
-from rollout_svc.engines.base import SamplingParams, WeightUpdate
 from sluice.config.model import ModelConfig
 from sluice.config.rollout import VllmEngineConfig
 from sluice.modeling import load_policy, materialize_model_dir
+from sluice.rollout_svc.engines.base import SamplingParams, WeightUpdate
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -30,7 +30,7 @@ TEMPERATURE = 0.7
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # share the cores, pin nothing
-    from rollout_svc.engines.vllm import VLLMEngine
+    from sluice.rollout_svc.engines.vllm import VLLMEngine
 
     model_dir = materialize_model_dir(ModelConfig(), tmp_path_factory.mktemp("model"))
     engine = VLLMEngine(model_dir, "float32", 0, VllmEngineConfig(kv_cache_mb=32))

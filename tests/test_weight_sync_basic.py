@@ -9,13 +9,13 @@ import pytest
 import torch
 from weight_sync_env import SyncEnv, perturb, small_cfg, wait_version
 
-import weight_sync.broadcaster as broadcaster_module
-from rollout_svc.engines.hf import HFEngine
+import sluice.weight_sync.broadcaster as broadcaster_module
 from sluice.config.model import ModelConfig, TinyModelInit
 from sluice.control.client import ControlClient
 from sluice.modeling import load_policy, materialize_model_dir
-from weight_sync.broadcaster import WeightBroadcaster
-from weight_sync.checksums import ChecksumWorker
+from sluice.rollout_svc.engines.hf import HFEngine
+from sluice.weight_sync.broadcaster import WeightBroadcaster
+from sluice.weight_sync.checksums import ChecksumWorker
 
 
 @pytest.fixture

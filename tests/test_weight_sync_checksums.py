@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weight_sync.checksums import ChecksumWorker, PieceSummer, SlotHasher, piece_wsum, wsum_words
-from weight_sync.layout import (
+from sluice.weight_sync.checksums import ChecksumWorker, PieceSummer, SlotHasher, piece_wsum, wsum_words
+from sluice.weight_sync.layout import (
     TensorSpec,
     empty_bucket,
     pack_bucket,

@@ -11,8 +11,8 @@ import pytest
 import torch
 from weight_sync_env import SyncEnv, model_digest, perturb, small_cfg
 
-from weight_sync.announcements import HEAD_KEY, sums_key
-from weight_sync.broadcaster import WeightBroadcaster
+from sluice.weight_sync.announcements import HEAD_KEY, sums_key
+from sluice.weight_sync.broadcaster import WeightBroadcaster
 
 pytestmark = pytest.mark.slow
 

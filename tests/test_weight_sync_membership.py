@@ -10,8 +10,8 @@ from sluice.control.client import ControlClient
 from sluice.control.server import ControlServer
 from sluice.net import free_port
 from sluice.rpc import RpcError
-from weight_sync.group import epoch_backend
-from weight_sync.membership import Candidate, Membership
+from sluice.weight_sync.group import epoch_backend
+from sluice.weight_sync.membership import Candidate, Membership
 
 
 @pytest.fixture

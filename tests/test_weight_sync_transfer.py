@@ -10,8 +10,7 @@ import torch
 import zmq
 
 from sluice.config.weight_sync import WeightTransferConfig
-from sluice.wire.messages import PROTO_VERSION
-from weight_sync.layout import (
+from sluice.weight_sync.layout import (
     TensorSpec,
     decode_checksums,
     empty_bucket,
@@ -21,16 +20,17 @@ from weight_sync.layout import (
     slot_checksums,
     unpack_bucket,
 )
-from weight_sync.snapshot import Snapshot
-from weight_sync.transfer_client import TransferError, plan_chunks, pull_snapshot
-from weight_sync.transfer_messages import (
+from sluice.weight_sync.snapshot import Snapshot
+from sluice.weight_sync.transfer_client import TransferError, plan_chunks, pull_snapshot
+from sluice.weight_sync.transfer_messages import (
     ChunkRange,
     ChunkRequest,
     ManifestRequest,
     TensorEntry,
     reply_decoder,
 )
-from weight_sync.transfer_server import SnapshotServer
+from sluice.weight_sync.transfer_server import SnapshotServer
+from sluice.wire.messages import PROTO_VERSION
 
 
 def specs_of(model: torch.nn.Module) -> list[TensorSpec]:
@@ -183,7 +183,7 @@ def test_lease_pins_the_snapshot_and_bad_requests_get_named_errors(server, zmq_c
 
 
 def test_buffer_pool_reuses_a_buffer_only_when_no_view_of_it_is_alive():
-    from weight_sync.buffers import BufferPool, only_owner
+    from sluice.weight_sync.buffers import BufferPool, only_owner
 
     bucket = plan_buckets([TensorSpec("w", (64,), torch.float32)], 1 << 20)[0]
     pool = BufferPool(torch.device("cpu"))

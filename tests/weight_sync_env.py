@@ -1,5 +1,5 @@
 """A learner's weight-sync side in the test process: control server + broadcaster, plus
-receiver threads or real receiver processes (`python -m weight_sync.probe`). Everything is
+receiver threads or real receiver processes (`python -m sluice.weight_sync.probe`). Everything is
 closed at teardown, also when the test fails."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from sluice.config.weight_sync import WeightSyncConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer
 from sluice.net import free_port
-from weight_sync.broadcaster import WeightBroadcaster
-from weight_sync.probe import digest
-from weight_sync.receiver import WeightReceiver
+from sluice.weight_sync.broadcaster import WeightBroadcaster
+from sluice.weight_sync.probe import digest
+from sluice.weight_sync.receiver import WeightReceiver
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ class ProbeProcess:
             [
                 sys.executable,
                 "-m",
-                "weight_sync.probe",
+                "sluice.weight_sync.probe",
                 f"--master-port={cfg.master_port}",
                 f"--control={control_endpoint}",
                 f"--service-id={service_id}",

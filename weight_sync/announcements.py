@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import msgspec
 
-from weight_sync.layout import Bucket
+from sluice.weight_sync.layout import Bucket
 
 KEEP_ANNOUNCEMENTS = 64
 HEAD_KEY = "ws/head"

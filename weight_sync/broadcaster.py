@@ -38,7 +38,7 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from sluice.config.weight_sync import WeightSyncConfig
-from weight_sync.announcements import (
+from sluice.weight_sync.announcements import (
     CONTROL_KEY,
     HEAD_KEY,
     KEEP_ANNOUNCEMENTS,
@@ -57,9 +57,9 @@ from weight_sync.announcements import (
     ready_key,
     sums_key,
 )
-from weight_sync.buffers import BufferPool
-from weight_sync.checksums import ChecksumWorker, piece_wsum, wsum_words
-from weight_sync.group import (
+from sluice.weight_sync.buffers import BufferPool
+from sluice.weight_sync.checksums import ChecksumWorker, piece_wsum, wsum_words
+from sluice.weight_sync.group import (
     BroadcastGroup,
     CollectiveError,
     epoch_backend,
@@ -68,7 +68,7 @@ from weight_sync.group import (
     resolve_backend,
     wait_work,
 )
-from weight_sync.layout import (
+from sluice.weight_sync.layout import (
     TORCH_DTYPES,
     Bucket,
     TensorSpec,
@@ -79,11 +79,11 @@ from weight_sync.layout import (
     piece_bounds,
     plan_buckets,
 )
-from weight_sync.membership import Candidate, Membership
-from weight_sync.metrics import BroadcastMetrics, PublishStats
-from weight_sync.snapshot import Snapshot
-from weight_sync.source import ParamSource, source_for
-from weight_sync.transfer_server import SnapshotServer
+from sluice.weight_sync.membership import Candidate, Membership
+from sluice.weight_sync.metrics import BroadcastMetrics, PublishStats
+from sluice.weight_sync.snapshot import Snapshot
+from sluice.weight_sync.source import ParamSource, source_for
+from sluice.weight_sync.transfer_server import SnapshotServer
 
 log = logging.getLogger(__name__)
 

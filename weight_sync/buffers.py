@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from weight_sync.layout import TORCH_DTYPES, Bucket
+from sluice.weight_sync.layout import TORCH_DTYPES, Bucket
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xxhash
 
-from weight_sync.layout import Bucket, tensor_bytes
+from sluice.weight_sync.layout import Bucket, tensor_bytes
 
 
 class SlotHasher:

@@ -3,7 +3,7 @@ every verified version as one JSON line on stdout. A deployment check (can this 
 the learner's store, control plane and snapshot server, and are the bytes right?), and the
 receiver process of the weight-sync tests and benchmark.
 
-    python -m weight_sync.probe --master-port P --control tcp://host:port [--service-id ID]
+    python -m sluice.weight_sync.probe --master-port P --control tcp://host:port [--service-id ID]
 
 Each line: {"event": "version", "version": v, "digest": d, "bytes": n, "time": t, "pulls": k}
 where `digest` is xxh3-64 over every tensor's bytes in name order. Ends (exit 0) when the
@@ -24,8 +24,8 @@ import torch
 import xxhash
 
 from sluice.config.weight_sync import WeightSyncConfig
-from weight_sync.layout import tensor_bytes
-from weight_sync.receiver import ReceivedWeights, WeightReceiver
+from sluice.weight_sync.layout import tensor_bytes
+from sluice.weight_sync.receiver import ReceivedWeights, WeightReceiver
 
 
 def digest(tensors: list[tuple[str, torch.Tensor]]) -> str:

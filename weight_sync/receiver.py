@@ -38,7 +38,7 @@ import zmq
 from sluice.config.weight_sync import WeightSyncConfig
 from sluice.control.client import ControlClient
 from sluice.rpc import RpcError, RpcTimeout
-from weight_sync.announcements import (
+from sluice.weight_sync.announcements import (
     CONTROL_KEY,
     HEAD_KEY,
     TRANSFER_KEY,
@@ -55,11 +55,11 @@ from weight_sync.announcements import (
     ready_key,
     sums_key,
 )
-from weight_sync.buffers import BufferPool
-from weight_sync.checksums import WIRE_CHECKSUMS, PieceSummer, SlotHasher
-from weight_sync.group import BroadcastGroup, CollectiveAborted, CollectiveError, make_group, wait_work
-from weight_sync.layout import decode_checksums, piece_bounds, unpack_bucket
-from weight_sync.transfer_client import TransferError, pull_snapshot
+from sluice.weight_sync.buffers import BufferPool
+from sluice.weight_sync.checksums import WIRE_CHECKSUMS, PieceSummer, SlotHasher
+from sluice.weight_sync.group import BroadcastGroup, CollectiveAborted, CollectiveError, make_group, wait_work
+from sluice.weight_sync.layout import decode_checksums, piece_bounds, unpack_bucket
+from sluice.weight_sync.transfer_client import TransferError, pull_snapshot
 
 log = logging.getLogger(__name__)
 

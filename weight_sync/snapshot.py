@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from weight_sync.layout import Bucket, TensorSlot
+from sluice.weight_sync.layout import Bucket, TensorSlot
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from weight_sync.layout import TensorSpec
+from sluice.weight_sync.layout import TensorSpec
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -19,10 +19,8 @@ import zmq
 
 from sluice.config.weight_sync import WeightTransferConfig
 from sluice.net import zmq_socket
-from sluice.wire import codec
-from sluice.wire.messages import PROTO_VERSION, ErrorReply
-from weight_sync.layout import TORCH_DTYPES, checksum
-from weight_sync.transfer_messages import (
+from sluice.weight_sync.layout import TORCH_DTYPES, checksum
+from sluice.weight_sync.transfer_messages import (
     ChunkRange,
     ChunkReply,
     ChunkRequest,
@@ -32,6 +30,8 @@ from weight_sync.transfer_messages import (
     TensorEntry,
     reply_decoder,
 )
+from sluice.wire import codec
+from sluice.wire.messages import PROTO_VERSION, ErrorReply
 
 
 class TransferError(RuntimeError):

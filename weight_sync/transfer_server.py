@@ -22,11 +22,9 @@ import zmq
 from sluice.config.weight_sync import WeightTransferConfig
 from sluice.net import zmq_socket
 from sluice.rpc import split_envelope
-from sluice.wire import codec
-from sluice.wire.messages import PROTO_VERSION
-from weight_sync.layout import tensor_bytes
-from weight_sync.snapshot import Snapshot, SnapshotTensor
-from weight_sync.transfer_messages import (
+from sluice.weight_sync.layout import tensor_bytes
+from sluice.weight_sync.snapshot import Snapshot, SnapshotTensor
+from sluice.weight_sync.transfer_messages import (
     ChunkReply,
     ChunkRequest,
     ManifestReply,
@@ -35,6 +33,8 @@ from weight_sync.transfer_messages import (
     TensorEntry,
     request_decoder,
 )
+from sluice.wire import codec
+from sluice.wire.messages import PROTO_VERSION
 
 log = logging.getLogger(__name__)
 

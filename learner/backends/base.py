@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from learner.dist import DistContext
 from sluice.config.learner import LearnerConfig
+from sluice.learner.dist import DistContext
 
 
 class TrainBackend(ABC):
@@ -55,9 +55,9 @@ def build_backend(
     lc: LearnerConfig, model: torch.nn.Module, dist: DistContext, total_updates: int, dtype: str
 ) -> TrainBackend:
     if lc.backend == "deepspeed":
-        from learner.backends.deepspeed import DeepSpeedBackend
+        from sluice.learner.backends.deepspeed import DeepSpeedBackend
 
         return DeepSpeedBackend(lc, model, dist, total_updates, dtype)
-    from learner.backends.ddp import DDPBackend
+    from sluice.learner.backends.ddp import DDPBackend
 
     return DDPBackend(lc, model, dist, total_updates)

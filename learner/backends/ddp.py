@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from learner.backends.base import TrainBackend
-from learner.dist import DistContext
-from learner.schedule import lr_factor
 from sluice.config.learner import LearnerConfig
+from sluice.learner.backends.base import TrainBackend
+from sluice.learner.dist import DistContext
+from sluice.learner.schedule import lr_factor
 
 
 class DDPBackend(TrainBackend):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.losses.aggregate import Aggregation, Denominator, masked_sum
-from learner.losses.ppo import SurrogateOutput, clipped_surrogate
+from sluice.learner.losses.aggregate import Aggregation, Denominator, masked_sum
+from sluice.learner.losses.ppo import SurrogateOutput, clipped_surrogate
 
 
 def behaviour_weights(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.losses.aggregate import Aggregation, Denominator, aggregate
+from sluice.learner.losses.aggregate import Aggregation, Denominator, aggregate
 
 
 def group_advantages(

@@ -11,7 +11,7 @@ from typing import Literal
 
 import torch
 
-from learner.losses.aggregate import Aggregation, Denominator, aggregate
+from sluice.learner.losses.aggregate import Aggregation, Denominator, aggregate
 
 
 def kl_per_token(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.losses.aggregate import Aggregation, Denominator, aggregate, masked_sum
+from sluice.learner.losses.aggregate import Aggregation, Denominator, aggregate, masked_sum
 
 
 def gae(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.losses.aggregate import Denominator, aggregate, categorical_entropy, masked_sum
+from sluice.learner.losses.aggregate import Denominator, aggregate, categorical_entropy, masked_sum
 
 
 @dataclass

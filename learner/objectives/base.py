@@ -18,8 +18,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from learner.dist import DistContext
-from learner.losses.aggregate import Denominator
+from sluice.learner.dist import DistContext
+from sluice.learner.losses.aggregate import Denominator
 from sluice.trajectory import Trajectory
 
 P = TypeVar("P")  # a prepared batch or a piece of one

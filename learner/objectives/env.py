@@ -16,13 +16,13 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from learner.dist import DistContext
-from learner.losses.aggregate import Denominator, aggregate, categorical_entropy
-from learner.losses.decoupled import decoupled_ppo_loss
-from learner.losses.ppo import clipped_surrogate, gae, value_loss
-from learner.losses.vtrace import vtrace_loss, vtrace_targets
-from learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.config.learner import LossConfig
+from sluice.learner.dist import DistContext
+from sluice.learner.losses.aggregate import Denominator, aggregate, categorical_entropy
+from sluice.learner.losses.decoupled import decoupled_ppo_loss
+from sluice.learner.losses.ppo import clipped_surrogate, gae, value_loss
+from sluice.learner.losses.vtrace import vtrace_loss, vtrace_targets
+from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.trajectory import Trajectory
 
 

@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
-from learner.balance import balance
-from learner.batch import TokenBatch, collate, token_logprobs
-from learner.dist import DistContext
-from learner.losses.aggregate import Denominator
-from learner.losses.decoupled import decoupled_ppo_loss
-from learner.losses.grpo import group_advantages, group_indices, grpo_loss
-from learner.losses.kl import kl_penalty
-from learner.losses.ppo import clipped_surrogate
-from learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.config.learner import LossConfig
+from sluice.learner.balance import balance
+from sluice.learner.batch import TokenBatch, collate, token_logprobs
+from sluice.learner.dist import DistContext
+from sluice.learner.losses.aggregate import Denominator
+from sluice.learner.losses.decoupled import decoupled_ppo_loss
+from sluice.learner.losses.grpo import group_advantages, group_indices, grpo_loss
+from sluice.learner.losses.kl import kl_penalty
+from sluice.learner.losses.ppo import clipped_surrogate
+from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.trajectory import Trajectory
 
 

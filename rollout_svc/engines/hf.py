@@ -13,9 +13,9 @@ from collections.abc import Iterable
 import torch
 import torch.nn.functional as F
 
-from rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
-from rollout_svc.engines.lean_llama import LeanLlamaDecoder, unsupported_reason
 from sluice.modeling import load_policy
+from sluice.rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
+from sluice.rollout_svc.engines.lean_llama import LeanLlamaDecoder, unsupported_reason
 
 log = logging.getLogger(__name__)
 

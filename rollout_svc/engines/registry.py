@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from rollout_svc.engines.base import Engine
 from sluice.config.run import RunConfig
+from sluice.rollout_svc.engines.base import Engine
 
 ENGINES = ("hf", "vllm", "sim", "auto")
 
@@ -27,7 +27,7 @@ def resolve_engine(kind: str) -> str:
 def build_engine(cfg: RunConfig, seed: int) -> Engine:
     kind = resolve_engine(cfg.rollout.engine)
     if kind == "sim":
-        from rollout_svc.engines.sim import SimEngine
+        from sluice.rollout_svc.engines.sim import SimEngine
 
         init = cfg.model.init
         if cfg.model.path is not None:
@@ -38,13 +38,13 @@ def build_engine(cfg: RunConfig, seed: int) -> Engine:
 
     model_dir = materialize_model_dir(cfg.model, cfg.run_dir)
     if kind == "hf":
-        from rollout_svc.engines.hf import HFEngine
+        from sluice.rollout_svc.engines.hf import HFEngine
 
         return HFEngine(
             model_dir, dtype=cfg.model.dtype, device="cpu", seed=seed, decoder=cfg.rollout.hf_decoder
         )
     if kind == "vllm":
-        from rollout_svc.engines.vllm import VLLMEngine
+        from sluice.rollout_svc.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, cfg.model.dtype, seed, cfg.rollout.vllm)
     raise ValueError(f"rollout.engine={kind!r}: expected one of {list(ENGINES)}")

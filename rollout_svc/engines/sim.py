@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
 from sluice.config.rollout import SimEngineConfig
+from sluice.rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 

@@ -29,8 +29,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
 from sluice.config.rollout import VllmEngineConfig
+from sluice.rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
 
 
 def shared_memory_dir() -> str:
@@ -46,7 +46,7 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # no INFO line per weight update
         from vllm import LLM
 
-        from rollout_svc.engines.vllm_transfer import BACKEND, register
+        from sluice.rollout_svc.engines.vllm_transfer import BACKEND, register
 
         register()
         # Every in-place reload warns that RotaryEmbedding got no weights: it has none to get (its
@@ -71,7 +71,7 @@ class VLLMEngine(Engine):
             enforce_eager=cfg.enforce_eager,
             logprobs_mode="processed_logprobs",
             weight_transfer_config={"backend": BACKEND},
-            worker_extension_cls="rollout_svc.engines.vllm_transfer.RegisteringWorkerExtension",
+            worker_extension_cls="sluice.rollout_svc.engines.vllm_transfer.RegisteringWorkerExtension",
             **memory,
         )
         self.llm.init_weight_transfer_engine({"init_info": {}})

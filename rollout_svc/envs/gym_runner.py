@@ -15,8 +15,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode
 
-from rollout_svc.envs.segment import Segment
 from sluice.config.env import EnvConfig
+from sluice.rollout_svc.envs.segment import Segment
 
 # obs [N, D] float32 -> (actions [N] int64, logits [N, A] float32, logprobs [N] float32)
 PolicyFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]

@@ -1,4 +1,4 @@
-"""The task interface: a stream of prompts and a reward function (DESIGN section 5).
+"""The task interface: a stream of prompts and a reward function.
 
 A task is text in, text out: it writes prompts as text (tokenized with the model's tokenizer)
 and scores the decoded completion. Tasks are plugins: subclass `Task` (single turn) or

@@ -21,8 +21,8 @@ import re
 
 from pydantic import Field
 
-from rollout_svc.tasks.base import EnvReply, Episode, MultiTurnTask, Prompt
 from sluice.config.base import Section
+from sluice.rollout_svc.tasks.base import EnvReply, Episode, MultiTurnTask, Prompt
 
 DIGITS = [str(d) for d in range(10)]
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}

@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from rollout_svc.tasks.base import Prompt, Score, Task
-from rollout_svc.tasks.math_check import extract_answer, math_reward
 from sluice.config.base import Section
+from sluice.rollout_svc.tasks.base import Prompt, Score, Task
+from sluice.rollout_svc.tasks.math_check import extract_answer, math_reward
 
 
 class DatasetConfig(Section):

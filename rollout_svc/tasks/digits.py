@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from rollout_svc.tasks.base import Prompt, Score, Task
 from sluice.config.base import Section
+from sluice.rollout_svc.tasks.base import Prompt, Score, Task
 
 DIGITS = [str(d) for d in range(10)]
 

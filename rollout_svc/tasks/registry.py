@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from rollout_svc.tasks.base import Task
-from rollout_svc.tasks.calculator import CalculatorTask
-from rollout_svc.tasks.dataset import DatasetTask
-from rollout_svc.tasks.digits import CopyTask, ReverseTask
 from sluice.config.loader import ConfigError, format_validation_error
 from sluice.config.rollout import TaskConfig
+from sluice.rollout_svc.tasks.base import Task
+from sluice.rollout_svc.tasks.calculator import CalculatorTask
+from sluice.rollout_svc.tasks.dataset import DatasetTask
+from sluice.rollout_svc.tasks.digits import CopyTask, ReverseTask
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (CopyTask, ReverseTask, DatasetTask, CalculatorTask)}
 

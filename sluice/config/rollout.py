@@ -14,8 +14,6 @@ class TaskConfig(Section):
     """Registered task (see rollout_svc.tasks.registry)."""
     params: dict[str, Any] = {}
     """Task-specific settings, validated by the task's own config model."""
-    eval_every: int = Field(0, ge=0)
-    """Not used by the skeleton; reserved for held-out evaluation."""
 
 
 class VllmEngineConfig(Section):

@@ -31,54 +31,41 @@ class ControlClient:
         self.conn = RpcConnection(self.ctx, endpoint, name="control", reply_decoder=reply_decoder)
         self.timeout_s = timeout_s
 
+    def _call(self, request_type: type, timeout_s: float | None = None, **fields):
+        """Send one request of `request_type` (proto and id filled in) and return the reply."""
+        req = request_type(proto=PROTO_VERSION, id=self.conn.next_id(), **fields)
+        return self.conn.request(req, timeout_s=self.timeout_s if timeout_s is None else timeout_s)[0]
+
     def admit(self, service_id: str, n: int, group_size: int, wait_ms: int = 0) -> AdmitReply:
         """`wait_ms` > 0 long-polls: the reply comes when quota frees up or after wait_ms."""
-        req = AdmitRequest(
-            proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, n=n,
-            group_size=group_size, wait_ms=wait_ms,
+        return self._call(
+            AdmitRequest, self.timeout_s + wait_ms / 1000,
+            service_id=service_id, n=n, group_size=group_size, wait_ms=wait_ms,
         )  # fmt: skip
-        return self.conn.request(req, timeout_s=self.timeout_s + wait_ms / 1000)[0]
 
     def refund(self, service_id: str, n: int) -> None:
-        req = RefundRequest(proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, n=n)
-        self.conn.request(req, timeout_s=self.timeout_s)
+        self._call(RefundRequest, service_id=service_id, n=n)
 
     def heartbeat(
         self, service_id: str, role: str, stats: dict[str, float], delivered: int = -1
     ) -> HeartbeatReply:
-        req = HeartbeatRequest(
-            proto=PROTO_VERSION,
-            id=self.conn.next_id(),
-            service_id=service_id,
-            role=role,
-            stats=stats,
-            delivered=delivered,
+        return self._call(
+            HeartbeatRequest, service_id=service_id, role=role, stats=stats, delivered=delivered
         )
-        return self.conn.request(req, timeout_s=self.timeout_s)[0]
 
     def status(self) -> StatusReply:
-        return self.conn.request(
-            StatusRequest(proto=PROTO_VERSION, id=self.conn.next_id()), timeout_s=self.timeout_s
-        )[0]
+        return self._call(StatusRequest)
 
     # -- weight-sync membership ------------------------------------------------------------------
 
     def join(self, service_id: str, incarnation: str, held_version: int, device: str = "cpu") -> JoinReply:
-        req = JoinRequest(
-            proto=PROTO_VERSION,
-            id=self.conn.next_id(),
-            service_id=service_id,
-            incarnation=incarnation,
-            held_version=held_version,
-            device=device,
-        )
-        return self.conn.request(req, timeout_s=self.timeout_s)[0]
+        return self._call(
+            JoinRequest, service_id=service_id, incarnation=incarnation,
+            held_version=held_version, device=device,
+        )  # fmt: skip
 
     def leave(self, service_id: str, incarnation: str) -> LeaveReply:
-        req = LeaveRequest(
-            proto=PROTO_VERSION, id=self.conn.next_id(), service_id=service_id, incarnation=incarnation
-        )
-        return self.conn.request(req, timeout_s=self.timeout_s)[0]
+        return self._call(LeaveRequest, service_id=service_id, incarnation=incarnation)
 
     def sync_report(
         self,
@@ -90,17 +77,10 @@ class ControlClient:
         outcome: SyncOutcome,
         error: str = "",
     ) -> None:
-        req = SyncReportRequest(
-            proto=PROTO_VERSION,
-            id=self.conn.next_id(),
-            service_id=service_id,
-            incarnation=incarnation,
-            epoch=epoch,
-            version=version,
-            outcome=outcome,
-            error=error,
-        )
-        self.conn.request(req, timeout_s=self.timeout_s)
+        self._call(
+            SyncReportRequest, service_id=service_id, incarnation=incarnation,
+            epoch=epoch, version=version, outcome=outcome, error=error,
+        )  # fmt: skip
 
     def close(self) -> None:
         self.conn.close()

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Protocol
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sluice.config.learner import GroupPorts
 from sluice.config.loader import ENV_PREFIX, dump_config
 from sluice.config.policy import learner_role
 from sluice.config.run import RunConfig
+from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK
 from sluice.launch.threads import available_cores, plan_threads
 from sluice.metrics import JsonlLog
@@ -185,16 +185,7 @@ class LocalLauncher:
         tail = Tail(self.run_dir / "metrics" / "learner.jsonl")
         run_log = JsonlLog(self.run_dir / "metrics" / "launcher.jsonl")
         total = self.cfg.learner.total_steps
-        progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("v{task.completed:.0f}/{task.total:.0f}"),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=self.console,
-            disable=not self.show_progress,
-            refresh_per_second=4,
-        )
+        progress = training_progress(self.console, enabled=self.show_progress, refresh_per_second=4)
         code = EXIT_FAILED
         with progress:
             task = progress.add_task("training", total=total, info="starting roles")

@@ -38,12 +38,12 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sluice.config.loader import config_from_dict, dump_config
 from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
 from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
+from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, quiet_libraries
 from sluice.metrics import JsonlLog
 from sluice.modeling import materialize_model_dir
@@ -94,14 +94,14 @@ class RoleActor:
         cfg = config_from_dict(config)
         try:
             if self.role == "buffer":
-                from buffer.service import run_buffer
+                from sluice.buffer.service import run_buffer
 
                 return run_buffer(cfg, self.index, self.stop)
             if self.role == "learner":
-                from learner.loop import run_learner
+                from sluice.learner.loop import run_learner
 
                 return run_learner(cfg, self.stop)
-            from rollout_svc.service import run_rollout
+            from sluice.rollout_svc.service import run_rollout
 
             return run_rollout(cfg, self.index, self.stop)
         except Exception:
@@ -253,16 +253,7 @@ class RayLauncher:
         control = ControlClient(
             self.cfg.control.endpoint, timeout_s=2.0, ctx=secure_context(self.cfg.security, "client")
         )
-        progress = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            TextColumn("v{task.completed:.0f}/{task.total:.0f}"),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=self.console,
-            disable=not self.show_progress,
-            refresh_per_second=2,
-        )
+        progress = training_progress(self.console, enabled=self.show_progress, refresh_per_second=2)
         code = EXIT_FAILED
         next_poll = 0.0
         try:

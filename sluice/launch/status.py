@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from buffer.client import BufferClient
+from sluice.buffer.client import BufferClient
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
 from sluice.rpc import RpcError, RpcTimeout

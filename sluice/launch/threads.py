@@ -57,7 +57,7 @@ def plan_threads(cfg: RunConfig, cores: int) -> RunConfig:
 def _rollout_on_cpu(cfg: RunConfig) -> bool:
     """Env services and the hf engine compute on the CPU; vllm where there is no GPU; sim
     services only sleep."""
-    from rollout_svc.engines.registry import resolve_engine
+    from sluice.rollout_svc.engines.registry import resolve_engine
 
     if cfg.rollout.kind == "env":
         return True
@@ -70,6 +70,6 @@ def _rollout_on_cpu(cfg: RunConfig) -> bool:
 
 
 def _learner_on_cpu(cfg: RunConfig) -> bool:
-    from learner.dist import pick_device  # the learner's own choice of device
+    from sluice.learner.dist import pick_device  # the learner's own choice of device
 
     return pick_device(cfg.learner.device).type == "cpu"

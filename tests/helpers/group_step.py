@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from learner.balance import assign_to_ranks
-from learner.dist import init_dist
-from learner.trainer import Trainer
 from sluice.config.loader import load_config
+from sluice.learner.balance import assign_to_ranks
+from sluice.learner.dist import init_dist
+from sluice.learner.trainer import Trainer
 from sluice.modeling.policy import materialize_policy_dir
 from sluice.trajectory import Trajectory
 

@@ -7,7 +7,7 @@ version (versions only: sim services need no tensors). A `step_s` pause per step
 slow learner. It measures what consumption sees: samples, staleness of every sample
 (`version - sample.version`), samples dropped as stale, and which services delivered.
 
-    python -m rollout_svc.drain CONFIG --out timeline.jsonl [--step-s 0.5] [--no-filter]
+    python -m sluice.testing.drain CONFIG --out timeline.jsonl [--step-s 0.5] [--no-filter]
 
 `--no-filter` consumes with min_version 0 (no consumer-side filter), so the staleness it
 records is what admission control alone achieved.
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from buffer.client import BufferClient, LeasedBatch
+from sluice.buffer.client import BufferClient, LeasedBatch
 from sluice.config.loader import load_config
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
