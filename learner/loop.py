@@ -4,18 +4,9 @@ checkpoint, acknowledge.
 Version `v` = learner steps taken = the policy version rollouts tag their samples with. The
 step that turns v into v+1 only consumes samples with `v - sample.version <= max_staleness`:
 the buffer drops older ones when asked with `min_version = v - max_staleness`, and this loop
-checks again (a safety net that counts, and never trains on, a violation).
-
-How K ranks share the work. Rank 0 alone talks to the buffer: its prefetch thread leases the
-next batch (whole groups) while the current step trains. Rank 0 then checks staleness, splits
-the batch over the ranks by token count (whole groups stay together, so group-normalised
-advantages are exact on each rank) and scatters the parts over a gloo group. Rank 0 holds
-every lease and ACKs after the step (after the next checkpoint, when checkpoints are on; see
-learner/leases.py), so exactly-once needs no coordination between ranks. Rank 0 also serves
-the control server and the weight channel. Why not let every rank GET its own share: the
-buffer can only count trajectories, not balance tokens across ranks, and leases spread over K
-processes would make a crash of any rank a partial-batch problem. The price is one scatter
-per step, overlapped with nothing but small next to the step (measured in `scatter_s`).
+checks again (a safety net that counts, and never trains on, a violation). Rank 0 alone talks
+to the buffer, holds every lease and splits each batch over the ranks; docs/architecture.md
+("Learner groups", "How ranks share a batch") says why.
 """
 
 from __future__ import annotations

@@ -8,14 +8,17 @@ Client side, `RpcConnection`:
 - An error reply raises `RpcError` with the server's code, message and retry hint.
 - Not thread-safe: one connection per thread.
 
-Server side, `split_envelope`: ROUTER frames -> (envelope to echo, body).
+Server side, `split_envelope`: ROUTER frames -> (envelope to echo, body); `answer`: a request
+that takes no payload, decoded and handled, every failure an ErrorReply (servers keep serving).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 import zmq
@@ -23,6 +26,8 @@ import zmq
 from sluice.net import zmq_socket
 from sluice.wire import codec
 from sluice.wire.messages import ErrorReply
+
+log = logging.getLogger(__name__)
 
 
 class RpcError(RuntimeError):
@@ -106,3 +111,25 @@ def split_envelope(frames: list[zmq.Frame]) -> tuple[list[bytes] | None, list[zm
     if len(frames) >= 2 and len(frames[1]) == 0:
         return [identity, b""], frames[2:]
     return [identity], frames[1:]
+
+
+def answer(
+    body: Sequence[codec.Frame], decoder: msgspec.msgpack.Decoder, handle: Callable[[Any], Any], what: str
+):
+    """Decode a request of a protocol whose requests take no payload frames and return what
+    `handle` makes of it; a bad request is an ErrorReply naming the field, and a bug in `handle`
+    is logged and answered INTERNAL, so the server keeps serving. `what` names the server."""
+    request_id = -1
+    try:
+        request, payload = codec.decode_request(body, decoder)
+        request_id = request.id
+        if payload:
+            raise codec.ProtocolError("BAD_PAYLOAD", f"{what} requests take no payload frames")
+        return handle(request)
+    except codec.ProtocolError as e:
+        return codec.error_reply(getattr(e, "request_id", request_id), e.code, e.message)
+    except ValueError as e:
+        return codec.error_reply(request_id, "BAD_HEADER", str(e))
+    except Exception as e:  # noqa: BLE001 - a bug must not stop the server
+        log.exception("%s server: internal error", what)
+        return codec.error_reply(request_id, "INTERNAL", repr(e))

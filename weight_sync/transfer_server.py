@@ -21,7 +21,7 @@ import zmq
 
 from sluice.config.weight_sync import WeightTransferConfig
 from sluice.net import zmq_socket
-from sluice.rpc import split_envelope
+from sluice.rpc import answer, split_envelope
 from sluice.weight_sync.layout import tensor_bytes
 from sluice.weight_sync.snapshot import Snapshot, SnapshotTensor
 from sluice.weight_sync.transfer_messages import (
@@ -34,7 +34,7 @@ from sluice.weight_sync.transfer_messages import (
     request_decoder,
 )
 from sluice.wire import codec
-from sluice.wire.messages import PROTO_VERSION
+from sluice.wire.messages import PROTO_VERSION, ErrorReply
 
 log = logging.getLogger(__name__)
 
@@ -104,18 +104,8 @@ class SnapshotServer:
             del self._leases[lease_id]
 
     def _handle(self, body):
-        request_id = -1
-        try:
-            request, payload = codec.decode_request(body, request_decoder)
-            request_id = request.id
-            if payload:
-                raise codec.ProtocolError("BAD_PAYLOAD", "weight-transfer requests take no payload frames")
-            return self._dispatch(request)
-        except codec.ProtocolError as e:
-            return codec.error_reply(getattr(e, "request_id", request_id), e.code, e.message), []
-        except Exception as e:  # noqa: BLE001 - a bug must not stop serving late joiners
-            log.exception("weight transfer: internal error")
-            return codec.error_reply(request_id, "INTERNAL", repr(e)), []
+        out = answer(body, request_decoder, self._dispatch, "weight-transfer")
+        return (out, []) if isinstance(out, ErrorReply) else out
 
     def _dispatch(self, req):
         p = PROTO_VERSION

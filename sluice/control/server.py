@@ -48,7 +48,7 @@ from sluice.control.messages import (
     request_decoder,
 )
 from sluice.net import zmq_socket
-from sluice.rpc import split_envelope
+from sluice.rpc import answer, split_envelope
 from sluice.wire import codec
 from sluice.wire.messages import PROTO_VERSION
 
@@ -199,21 +199,11 @@ class ControlServer:
             self.sock.send_multipart([*envelope, *codec.encode(reply)])
 
     def _handle(self, body):
-        request_id = -1
-        try:
-            request, payload = codec.decode_request(body, request_decoder)
-            request_id = request.id
-            if payload:
-                raise codec.ProtocolError("BAD_PAYLOAD", "control requests take no payload frames")
-            with self._lock:
-                return self._dispatch(request)
-        except codec.ProtocolError as e:
-            return codec.error_reply(getattr(e, "request_id", request_id), e.code, e.message)
-        except ValueError as e:
-            return codec.error_reply(request_id, "BAD_HEADER", str(e))
-        except Exception as e:  # noqa: BLE001 - a bug must not stop the control plane
-            log.exception("control server: internal error")
-            return codec.error_reply(request_id, "INTERNAL", repr(e))
+        return answer(body, request_decoder, self._dispatch_locked, "control")
+
+    def _dispatch_locked(self, request):
+        with self._lock:
+            return self._dispatch(request)
 
     def _forget_gone_services(self) -> None:
         now = time.monotonic()

@@ -1,29 +1,9 @@
 """`sluice ray CONFIG`: every role of a run as its own Ray actor process, placed by Ray.
 
-1. **Cluster**: join `ray.address` ("auto" after `ray up`/`ray start`, or "ray://head:10001"),
-   or start a local Ray instance (`ray.local_num_cpus`) that is shut down at the end.
-2. **Placement**: one placement group with a bundle per role process (buffer shards, the
-   learner, rollout services); each bundle asks for its role's `ray.<role>` resources (CPUs,
-   GPUs, custom resources such as NPU), under the `ray.strategy` (PACK, SPREAD, ...).
-3. **Addresses through Ray**: each actor reports its node's IP and reserves free ports on its
-   node (a shard its port; the learner the control port and the weight-sync store port). The
-   driver writes them into the config (no hand-written addresses), saves the resolved config
-   as `<run dir>/config.yaml` and hands it to every actor, which runs its role in its own
-   process with the functions the per-role CLI commands call (`run_buffer`, `run_learner`,
-   `run_rollout`).
-4. **Supervision**: the run ends when the learner returns. A rollout service that dies or fails
-   is replaced by a new actor in the same bundle with the same index, up to `rollout.max_restarts`
-   times per service, and rejoins through the control plane and weight sync. A shard or the
-   learner that dies fails the run (their state is not restartable yet).
-5. **Logs**: each actor's output streams to the driver through Ray, prefixed with the role
-   (the actor's repr); each role also writes `<run dir>/logs/<role>.log` on its node, and the
-   driver records placement and restarts in `<run dir>/metrics/launcher.jsonl`.
-6. **Shutdown**: rollouts, then the learner, then shards are asked to stop (their stop event,
-   as SIGTERM does for a process), then killed after a grace period; the placement group is
-   removed.
-
-Roles that run on several nodes need `run.dir` on a shared file system for one run record;
-otherwise each node keeps the logs and metrics of the roles it ran.
+The driver joins or starts a Ray cluster, places one bundle per role process in a placement
+group, gathers each actor's node address and ports into the run's config, runs each role with
+the same functions the per-role CLI commands call, replaces a dead rollout service, and shuts
+the roles down in order. docs/architecture.md ("Ray launcher") gives the rules and why.
 """
 
 from __future__ import annotations
