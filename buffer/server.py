@@ -41,16 +41,14 @@ import numpy as np
 import xxhash
 import zmq
 
-from sluice.buffer.fifo_store import FifoStore
 from sluice.buffer.groups import Group, GroupIncomplete, PutTooLarge, ShardFull
 from sluice.buffer.log_records import array_sizes, region_layout
 from sluice.buffer.metrics import ShardMetrics
-from sluice.buffer.replay_store import ReplayStore
 from sluice.buffer.same_host import host_id, make_arena, write_token
 from sluice.buffer.segment_log import LogWriteError, NoSuchRegion, RecoveredState, Snapshot, build_log
 from sluice.buffer.segment_maps import SegmentGone
 from sluice.buffer.sockets import recv_frames, send_frames, shard_socket
-from sluice.buffer.store import ShardStore, build_store
+from sluice.buffer.stores import FifoStore, ReplayStore, Store, build_store
 from sluice.config.buffer import BufferConfig
 from sluice.rpc import split_envelope
 from sluice.wire import codec
@@ -117,7 +115,7 @@ class ShardServer:
         self.cfg = cfg
         self.shard = shard
         self.clock = clock
-        self.store: ShardStore = build_store(cfg)
+        self.store: Store = build_store(cfg)
         arena = None
         if cfg.same_host_transport == "auto" and log_dir is None:
             arena = make_arena(cfg.shm_dir, shard, min_free_bytes=2 * cfg.segment_bytes)
@@ -131,17 +129,16 @@ class ShardServer:
         self.parked: list[ParkedGet] = []
         self._outbox: list[list] = []
         self._ctx = ctx or zmq.Context.instance()
-        self.endpoint = cfg.bind_endpoint(shard)
-        self.sock = shard_socket(self._ctx, self.endpoint, max_message_bytes=cfg.max_message_bytes, hwm=10000)
+        bind = cfg.bind_endpoint(shard)
+        self.sock = shard_socket(self._ctx, bind, max_message_bytes=cfg.max_message_bytes, hwm=10000)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # as bound (`host:*`: a free port)
         self._last_metrics = 0.0
 
     def _restore(self, state: RecoveredState) -> None:
         for hashes in state.seen_hashes:
             self.store.dedupe.add_hashes(hashes.tolist())
         self.store.restore(state.groups, state.priorities, state.next_seq)
-        if isinstance(self.store, FifoStore):
-            for lease_id, count in state.settled.items():
-                self.store.remember_settled(lease_id, count)
+        self.store.restore_settled(state.settled)
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -168,22 +165,23 @@ class ShardServer:
     def _poll_timeout_ms(self) -> int:
         now = self.clock()
         deadlines = [p.deadline for p in self.parked]
-        if isinstance(self.store, FifoStore):
-            lease_deadline = self.store.next_deadline()
-            if lease_deadline is not None:
-                deadlines.append(lease_deadline)
+        lease_deadline = self.store.next_deadline()
+        if lease_deadline is not None:
+            deadlines.append(lease_deadline)
         wait = min(deadlines, default=now + 0.1) - now
         return int(max(0.0, min(wait, 0.1)) * 1000)
 
     def _on_tick(self) -> None:
         now = self.clock()
-        if isinstance(self.store, FifoStore) and self.store.expire_leases(now):
-            self.log.pins.release_missing(self.store.leases)
-            self._serve_parked(now)
-        expired = [p for p in self.parked if p.deadline <= now]
+        expired = self.store.expire(now)
+        for lease_id in expired:
+            self.log.pins.release_lease(lease_id)
         if expired:
+            self._serve_parked(now)
+        timed_out = [p for p in self.parked if p.deadline <= now]
+        if timed_out:
             self.parked = [p for p in self.parked if p.deadline > now]
-            for p in expired:
+            for p in timed_out:
                 self._reply(p.envelope, GetReply(proto=PROTO_VERSION, id=p.request.id, acked=p.acked))
         self.log.tick(time.monotonic(), self.store.held_bytes, self._snapshot)
         if self.metrics is not None and now - self._last_metrics > 0.5:
@@ -191,13 +189,12 @@ class ShardServer:
             self.metrics.update(self.stats())
 
     def _snapshot(self) -> Snapshot:
-        settled = dict(self.store.settled) if isinstance(self.store, FifoStore) else {}
         return Snapshot(
             groups=self.store.live_groups(),
             priorities=self.store.priorities(),
             next_seq=self.store.next_seq,
             seen=self.store.dedupe.snapshot(),
-            settled=settled,
+            settled=self.store.settled_snapshot(),
         )
 
     def _flush(self) -> None:
@@ -327,9 +324,9 @@ class ShardServer:
         )
 
     def _reserve_refusal(self, nbytes: int) -> str:
-        """Why a reservation of `nbytes` must wait (fifo: it would pass capacity_bytes with what
-        is held and reserved; replay: with what is reserved), or "" if it may go ahead."""
-        held = self.store.held_bytes if isinstance(self.store, FifoStore) else 0
+        """Why a reservation of `nbytes` must wait (it would pass capacity_bytes with what is
+        reserved and what the store cannot evict), or "" if it may go ahead."""
+        held = self.store.unevictable_bytes
         if held + self.log.reserved_bytes + nbytes <= self.cfg.capacity_bytes:
             return ""
         return (
@@ -581,18 +578,21 @@ class ShardServer:
     # -- helpers -------------------------------------------------------------------------------
 
     def _fifo(self, op: str) -> FifoStore:
-        if not isinstance(self.store, FifoStore):
-            raise codec.ProtocolError(
-                "WRONG_MODE", f"op {op} needs buffer.mode=fifo; shard {self.shard} is {self.store.mode}"
-            )
-        return self.store
+        store = self.store
+        if store.mode != "fifo":
+            raise self._wrong_mode(op, "fifo")
+        return store
 
     def _replay(self, op: str) -> ReplayStore:
-        if not isinstance(self.store, ReplayStore):
-            raise codec.ProtocolError(
-                "WRONG_MODE", f"op {op} needs buffer.mode=replay; shard {self.shard} is {self.store.mode}"
-            )
-        return self.store
+        store = self.store
+        if store.mode != "replay":
+            raise self._wrong_mode(op, "replay")
+        return store
+
+    def _wrong_mode(self, op: str, needed: str) -> codec.ProtocolError:
+        return codec.ProtocolError(
+            "WRONG_MODE", f"op {op} needs buffer.mode={needed}; shard {self.shard} is {self.store.mode}"
+        )
 
     def _log_drops(self) -> None:
         """Stale drops answer nobody: if the log cannot take them, they are dropped again after a

@@ -38,11 +38,6 @@ class ViewPins:
             if self.counts[n] <= 0:
                 del self.counts[n]
 
-    def release_missing(self, live_leases) -> None:
-        """Release every pinned lease that is not in `live_leases` (expired ones)."""
-        for lease_id in [k for k in self.by_lease if k not in live_leases]:
-            self.release_lease(lease_id)
-
     def hold(self, segments: Iterable[int], until: float) -> None:
         for n in segments:
             if self.held_until.get(n, 0.0) < until:

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from sluice.buffer.client import BufferClient, BufferError
-from sluice.buffer.fifo_store import FifoStore, GroupIncomplete, ShardFull
+from sluice.buffer.stores.fifo import FifoStore, GroupIncomplete, ShardFull
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec
 
@@ -46,13 +46,28 @@ def test_fifo_lease_ack_nack_and_expiry():
     assert s.nack(lease.lease_id) == 2  # back to the front, in order
     lease, _ = s.get(4, "default", 0, now=1.0)
     assert [g.group_id for g in lease.groups] == ["a", "b"]
-    assert s.expire_leases(now=5.0) == 0
-    assert s.expire_leases(now=11.0) == 4  # timed out: redelivered
+    assert s.expire(now=5.0) == []
+    assert s.expire(now=11.0) == [lease.lease_id]  # timed out: redelivered
+    assert s.counters.redelivered_trajs == 2 + 4
     lease, _ = s.get(4, "default", 0, now=12.0)
     assert s.ack(lease.lease_id) == 4
     assert s.size == 0 and s.counters.acked_trajs == 4
     with pytest.raises(KeyError):
         s.ack(lease.lease_id)
+
+
+def test_lease_hooks_the_shard_asks():
+    """What the shard asks through the store interface (it never asks the store's type)."""
+    s = FifoStore(capacity=100, lease_timeout_s=10)
+    put(s, group("a", 0))
+    assert s.next_deadline() is None and s.unevictable_bytes == s.held_bytes > 0
+    lease, _ = s.get(2, "default", 0, now=1.0)
+    assert s.next_deadline() == 11.0 and s.unevictable_bytes == s.held_bytes  # leased still counts
+    s.ack(lease.lease_id)
+    assert s.settled_snapshot() == {lease.lease_id: 2} and s.unevictable_bytes == 0
+    restored = FifoStore(capacity=100, lease_timeout_s=10)
+    restored.restore_settled(s.settled_snapshot())
+    assert restored.settled == {lease.lease_id: 2}
 
 
 def test_groups_are_never_split():

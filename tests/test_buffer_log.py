@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from sluice.buffer.client import BufferClient, BufferError, SampleRef
-from sluice.buffer.fifo_store import FifoStore
 from sluice.buffer.log_records import PREFIX
 from sluice.buffer.segment_log import LogCorrupt, SegmentLog, Snapshot, recycle_keep
+from sluice.buffer.stores.fifo import FifoStore
 from sluice.config.buffer import BufferConfig, ReplayConfig
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from sluice.buffer.client import BufferClient, BufferError, SampleRef, shard_of
-from sluice.buffer.replay_store import ReplayStore, importance_weights
+from sluice.buffer.stores.replay import ReplayStore, importance_weights
 from sluice.buffer.sumtree import SumTree
 from sluice.config.buffer import ReplayConfig
 from sluice.trajectory import Trajectory, to_wire_batch
@@ -105,6 +105,14 @@ def test_ring_evicts_oldest_groups_first():
     assert [g.group_id for g in s.live_groups()] == ["d", "e"]
     assert s.counters.evicted_trajs == 6 and s.held == 6
     assert s.version_counts() == {"0": 6}
+
+
+def test_replay_answers_the_lease_hooks_with_nothing():
+    s = ReplayStore(capacity=6)
+    put(s, group("a", size=2))
+    s.restore_settled({"lease": 2})  # (a log written in fifo mode)
+    assert s.next_deadline() is None and s.expire(now=1e9) == [] and s.settled_snapshot() == {}
+    assert s.unevictable_bytes == 0 < s.held_bytes  # a PUT evicts: nothing held refuses one
 
 
 def test_ring_evicts_by_bytes_too():

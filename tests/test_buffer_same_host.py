@@ -411,7 +411,7 @@ def test_view_pins():
     assert [pins.pinned(n, now=5.0) for n in (1, 2, 3, 4)] == [True, True, True, False]
     pins.release_lease("a")
     assert [pins.pinned(n, now=5.0) for n in (1, 2)] == [False, True]
-    pins.release_missing({"c": None})  # b expired
+    pins.release_lease("b")  # b expired
     assert not pins.pinned(2, now=5.0) and pins.segments(now=5.0) == 1
     assert not pins.pinned(3, now=10.0) and pins.segments(now=10.0) == 0
 

@@ -1,4 +1,5 @@
-"""Replay storage of one shard: a bounded ring of whole groups, sampled with replacement.
+"""Replay storage of one shard (`buffer.mode: replay`): a bounded ring of whole groups,
+sampled with replacement. The rules (docs/architecture.md, Buffer):
 
 - The ring holds at most `capacity` trajectories (and `capacity_bytes`); a PUT that does not
   fit evicts the oldest groups first (FIFO eviction), so PUT is never refused for space.
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import numpy as np
 
 from sluice.buffer.groups import Group, PreparedPut
-from sluice.buffer.store import ShardStore
+from sluice.buffer.stores.base import ShardStore
 from sluice.buffer.sumtree import SumTree
 from sluice.config.buffer import ReplayConfig
 
@@ -51,7 +53,7 @@ def importance_weights(probs: np.ndarray, count: int, beta: float) -> np.ndarray
 
 
 class ReplayStore(ShardStore):
-    mode = "replay"
+    mode: ClassVar[Literal["replay"]] = "replay"
 
     def __init__(
         self,
@@ -166,6 +168,13 @@ class ReplayStore(ShardStore):
 
     def live_groups(self) -> list[Group]:
         return list(self.ring.values())
+
+    @property
+    def unevictable_bytes(self) -> int:
+        return 0  # a PUT evicts the oldest groups to make room
+
+    def restore_settled(self, settled: Mapping[str, int]) -> None:
+        """No leases here: ACKed lease ids (of a log written in fifo mode) answer nothing."""
 
     def priorities(self) -> dict[int, float]:
         return {seq: float(self.raw_priority[seq % self.capacity]) for seq in self.ring}

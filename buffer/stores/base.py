@@ -1,23 +1,24 @@
-"""The storage of one shard: a base class shared by the two modes and the factory.
+"""The interface every buffer store implements (`stores/__init__.py` builds one from
+`buffer.mode`; docs/architecture.md, Buffer).
 
 A store is a pure data structure (no sockets, no files, no clock of its own), so its semantics
 are tested directly. Mutations that must be durable are split in two so the shard can write
 its log in between: `prepare_put` validates and numbers a PUT without changing anything, the
 log writes it, `commit_put` applies it. Removals that are not answers to anyone (stale drops)
-are applied at once and collected for the log with `take_dropped`.
+are applied at once and collected for the log with `take_dropped`. What differs by mode the
+server asks through hooks (leases, what refuses a reservation), never by the store's type.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from sluice.buffer.dedupe import DedupeWindow
 from sluice.buffer.groups import Group, Loc, PreparedPut, PutTooLarge, assemble_groups
-from sluice.config.buffer import BufferConfig
 from sluice.wire.codec import Frame
 from sluice.wire.messages import TrajectoryMeta
 
@@ -37,7 +38,7 @@ class StoreCounters:
 
 
 class ShardStore(ABC):
-    mode: ClassVar[str]
+    mode: ClassVar[Literal["fifo", "replay"]]  # the ops it serves: GET/ACK/NACK or SAMPLE/PRIORITY
 
     def __init__(self, capacity: int, capacity_bytes: int, dedupe_window: int, max_policies: int) -> None:
         self.capacity = capacity
@@ -105,11 +106,36 @@ class ShardStore(ABC):
         out, self._dropped = self._dropped, []
         return out
 
+    # -- leases: a store without them (replay) has nothing to expire or remember ---------------
+
+    def next_deadline(self) -> float | None:
+        """When the next lease runs out; None while no lease is held."""
+        return None
+
+    def expire(self, now: float) -> list[str]:
+        """Give back the groups of leases past their deadline. Returns those lease ids."""
+        return []
+
+    def settled_snapshot(self) -> dict[str, int]:
+        """Recently ACKed lease id -> trajectories (kept by a log snapshot, so that an ACK
+        resent after a lost reply is answered `replayed`)."""
+        return {}
+
+    @abstractmethod
+    def restore_settled(self, settled: Mapping[str, int]) -> None:
+        """Remember the ACKed lease ids recovered from the log."""
+
     # -- introspection -------------------------------------------------------------------------
 
     @property
     def size(self) -> int:
         return self.held
+
+    @property
+    @abstractmethod
+    def unevictable_bytes(self) -> int:
+        """Bytes held that no new PUT can displace: a same-host reservation must fit beside
+        them (and what is reserved) within capacity_bytes."""
 
     @abstractmethod
     def live_groups(self) -> list[Group]:
@@ -165,19 +191,3 @@ class ShardStore(ABC):
         """Bookkeeping of a stale group removed from wherever the subclass kept it."""
         self.counters.dropped_stale += group.size
         self._dropped.append(group.seq)
-
-
-def build_store(cfg: BufferConfig) -> ShardStore:
-    """The store of `cfg.mode`."""
-    from sluice.buffer.fifo_store import FifoStore
-    from sluice.buffer.replay_store import ReplayStore
-
-    common = dict(
-        capacity=cfg.capacity,
-        capacity_bytes=cfg.capacity_bytes,
-        dedupe_window=cfg.dedupe_window,
-        max_policies=cfg.max_policies,
-    )
-    if cfg.mode == "fifo":
-        return FifoStore(lease_timeout_s=cfg.lease_timeout_s, **common)
-    return ReplayStore(replay=cfg.replay, **common)

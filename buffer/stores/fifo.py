@@ -1,4 +1,5 @@
-"""Consume-once experience storage of one shard: FIFO of whole groups under leases.
+"""Consume-once experience storage of one shard (`buffer.mode: fifo`): FIFO of whole groups
+under leases. The rules (docs/architecture.md, Buffer):
 
 - PUT stores whole groups; a traj_id seen recently is dropped (idempotent resends).
 - GET leases whole groups from the front of a policy's queue, dropping (and counting) groups
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict, defaultdict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from sluice.buffer.groups import Group, GroupIncomplete, PreparedPut, ShardFull
-from sluice.buffer.store import ShardStore, StoreCounters
+from sluice.buffer.stores.base import ShardStore, StoreCounters
 
 __all__ = ["FifoStore", "GroupIncomplete", "Lease", "ShardFull", "StoreCounters"]
 
@@ -36,7 +39,7 @@ class Lease:
 
 
 class FifoStore(ShardStore):
-    mode = "fifo"
+    mode: ClassVar[Literal["fifo"]] = "fifo"
 
     def __init__(
         self,
@@ -134,17 +137,28 @@ class FifoStore(ShardStore):
         self._requeue(lease)
         return lease.size
 
-    def expire_leases(self, now: float) -> int:
+    def expire(self, now: float) -> list[str]:
         expired = [lease for lease in self.leases.values() if lease.deadline <= now]
         for lease in expired:
             del self.leases[lease.lease_id]
             self._requeue(lease)
-        return sum(lease.size for lease in expired)
+        return [lease.lease_id for lease in expired]
 
     def next_deadline(self) -> float | None:
         return min((lease.deadline for lease in self.leases.values()), default=None)
 
+    def settled_snapshot(self) -> dict[str, int]:
+        return dict(self.settled)
+
+    def restore_settled(self, settled: Mapping[str, int]) -> None:
+        for lease_id, count in settled.items():
+            self.remember_settled(lease_id, count)
+
     # -- introspection -------------------------------------------------------------------------
+
+    @property
+    def unevictable_bytes(self) -> int:
+        return self.held_bytes  # queued and leased alike, until ACKed
 
     def has_ready(self, policy_id: str) -> bool:
         return bool(self.queues.get(policy_id))
