@@ -1,70 +1,29 @@
-"""The buffer's client library: what rollout services and learners use to reach the shards.
-
-Placement (producers):
-- A group goes to its home shard, xxh64(group_id) % n_shards (stable across processes), so a
-  GRPO group is never split and a resend lands where the first copy went (shards dedupe by
-  traj_id, each on its own).
-- A *new* group whose home shard is down (not connected, or in backoff after a failure) goes to
-  the first live shard in a per-group pseudo-random order (rendezvous hashing, so one shard's
-  load spreads over all the others). Safe, because the request provably never reached the home
-  shard (see `buffer/link.py`: NotSent).
-- Once a PUT carrying a group may have reached a shard (sent, then a timeout or disconnect),
-  the group is pinned to that shard: every retry goes there, until it answers or the client
-  gives up. Rerouting it could store it twice. Pins are remembered for the last
-  `PLACEMENT_MEMORY` groups, so a caller's own retry of a failed `put` is pinned too.
-
-Retries and backpressure:
-- PUT is idempotent, so it is retried freely: after FULL (waiting the shard's retry-after:
-  backpressure, the producer slows down), after a lost connection or a timeout (exponential
-  backoff), until `put_give_up_s`; then the last error is raised. `should_abort` is checked
-  between attempts (PutAborted). Nothing waits forever.
-- ACK/NACK are retried on the lease's shard until `timeout_s`. A shard that ACKed but whose
-  reply was lost answers the resend as done (`replayed`).
-
-Reading (consumers):
-- GET visits the live shards round-robin (the first shard changes every call) without
-  waiting; only if that finds nothing does it long-poll every live shard at once, take the
-  first answer, and CANCEL the others (a lease that arrives anyway is kept if it fits, NACKed
-  if not). A down shard is skipped, never waited for.
-- SAMPLE (replay mode) draws across shards in proportion to their total priority (asked
-  first with n=0), so the draw is the same as from one big buffer; importance weights are
-  recomputed over all shards.
-Same host (`same_host="auto"`, the default; docs/architecture.md):
-- A shard on this host whose token file this process can read (see `buffer/link.py`) gets
-  PUT messages of at least `same_host_min_put_bytes` through shared memory: RESERVE space in
-  its active segment, write the arrays there (pwritev: the one copy, which is also the log
-  write), PUT the headers naming the region with its checksum. A refused or failed
-  reservation falls back to an ordinary PUT with frames.
-- GET and SAMPLE send the shard's token; the reply says where each trajectory's arrays lie
-  and the client maps the shard's segment files read-only: the arrays are views of the
-  shard's page cache, no copy. They stay valid while the lease is held (until ACK, NACK or
-  lease expiry; replay: `buffer.same_host_view_hold_s` after the SAMPLE): copy what you keep
-  longer. After that the shard may reuse the file.
-- Remote shards, `same_host="zmq"`, and shards that do not offer it use ZeroMQ frames; the
-  semantics (leases, dedupe, backpressure, staleness, sampling) are the same either way.
-
-- Not thread-safe: one client per thread.
+"""The buffer's client library: what rollout services and learners use to reach the shards
+(`BufferClient`). This module is the facade and the
+consumer side (GET/ACK/NACK, SAMPLE/PRIORITY, STATS); the producer side is `puts.py`, shard
+choice `placement.py`, the same-host data plane `same_host_client.py`, one shard connection
+`link.py`. The rules it follows and why: docs/architecture.md (Buffer: Client) and
+docs/protocol.md (Writing a client).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import xxhash
 import zmq
 
 from sluice.buffer.link import Backoff, Call, Lost, NotSent, ShardLink, wait_all
-from sluice.buffer.same_host import RegionPayload
+from sluice.buffer.placement import Placement, ShardUnavailable, fallback_order, shard_of
+from sluice.buffer.puts import PutAborted, PutBatcher, PutPipeline, PutSender, PutSettings
+from sluice.buffer.same_host_client import reply_trajectories
 from sluice.config.buffer import BufferConfig
 from sluice.rpc import RpcError as BufferError
 from sluice.rpc import RpcTimeout as BufferTimeout
-from sluice.trajectory import Trajectory, from_wire_batch
-from sluice.wire.codec import Frame
+from sluice.trajectory import Trajectory
 from sluice.wire.messages import (
     PROTO_VERSION,
     AckRequest,
@@ -75,14 +34,10 @@ from sluice.wire.messages import (
     PingRequest,
     PriorityRequest,
     PutReply,
-    PutRequest,
-    ReserveReply,
-    ReserveRequest,
     SampleReply,
     SampleRequest,
     StatsReply,
     StatsRequest,
-    TrajectoryMeta,
 )
 
 __all__ = [
@@ -97,29 +52,11 @@ __all__ = [
     "ReplayBatch",
     "SampleRef",
     "ShardUnavailable",
+    "fallback_order",
     "shard_of",
 ]
 
-PLACEMENT_MEMORY = 65536
-
 log = logging.getLogger(__name__)
-
-
-class PutAborted(RuntimeError):
-    """`should_abort` turned true while a PUT was waiting out backpressure or a down shard."""
-
-
-class ShardUnavailable(BufferTimeout):
-    """A shard could not be reached (or did not answer) before the client gave up."""
-
-
-def shard_of(group_id: str, n_shards: int) -> int:
-    return xxhash.xxh64_intdigest(group_id.encode()) % n_shards
-
-
-def fallback_order(group_id: str, n_shards: int) -> list[int]:
-    """Every shard, in a pseudo-random order that depends on the group (rendezvous hashing)."""
-    return sorted(range(n_shards), key=lambda k: -xxhash.xxh64_intdigest(f"{group_id}/{k}".encode()))
 
 
 @dataclass
@@ -167,27 +104,11 @@ class PriorityResult:
     unreached: int = 0  # groups on shards that did not answer (priorities are advisory: not retried)
 
 
-@dataclass
-class _OutGroup:
-    """A group on its way to a shard."""
-
-    group_id: str
-    wire: list[tuple[TrajectoryMeta, list[Frame]]]  # each trajectory's header and array frames
-    nbytes: int
-    shard: int | None = None
-    pinned: bool = False  # a PUT carrying it may have reached `shard`: never route it elsewhere
-    frames_only: bool = False  # its same-host PUT was refused: send its arrays as frames
-
-    @property
-    def metas(self) -> list[TrajectoryMeta]:
-        return [m for m, _ in self.wire]
-
-    @property
-    def frames(self) -> list[Frame]:
-        return [f for _, frames in self.wire for f in frames]
-
-
 class BufferClient:
+    """Every shard of one buffer, as one: `put` (and `pipeline`, `batcher`) for producers,
+    `get`/`ack`/`nack` (fifo) or `sample`/`update_priorities` (replay) for consumers, `stats`
+    and `ping` for operations. Not thread-safe: one client per thread."""
+
     def __init__(
         self,
         endpoints: Sequence[str],
@@ -216,21 +137,21 @@ class BufferClient:
             ShardLink(self.ctx, k, ep, backoff=backoff, first_connect_s=first_connect_s, same_host=same_host)
             for k, ep in enumerate(endpoints)
         ]
-        self.same_host_min_put_bytes = same_host_min_put_bytes  # None: each shard's advice
         self._closed = False
         self.timeout_s = timeout_s
-        self.put_give_up_s = put_give_up_s
-        self.should_abort = should_abort
         self.max_batch = max_batch
-        self.max_message_bytes = max_message_bytes
-        self.put_message_bytes = min(put_message_bytes, max_message_bytes // 2)
         self.rng = np.random.default_rng(seed)
-        self._placement: OrderedDict[str, int] = OrderedDict()
-        self._next_read = 0
-        self.backpressure_s = 0.0  # total time spent waiting on full shards
-        self.rerouted_groups = 0  # new groups stored away from their home shard (it was down)
-        self.shared_put_bytes = 0  # payload bytes PUT through shared memory (same host)
-        self.reserve_requests = 0  # RESERVE round trips (most same-host PUTs need none)
+        self._placement = Placement(self.links)
+        settings = PutSettings(
+            timeout_s=timeout_s,
+            put_give_up_s=put_give_up_s,
+            should_abort=should_abort,
+            max_batch=max_batch,
+            max_message_bytes=max_message_bytes,
+            put_message_bytes=min(put_message_bytes, max_message_bytes // 2),
+            same_host_min_put_bytes=same_host_min_put_bytes,
+        )
+        self._puts = PutSender(self.links, self._placement, settings)
         self.shared_get_trajs = 0  # trajectories received as views of a shard's files (same host)
 
     @classmethod
@@ -245,275 +166,43 @@ class BufferClient:
     def n_shards(self) -> int:
         return len(self.links)
 
-    # -- producer side -------------------------------------------------------------------------
+    # -- producer side (puts.py) ---------------------------------------------------------------
 
     def put(self, trajs: Sequence[Trajectory]) -> PutReply:
         """Store trajectories (whole groups) on their shards; wait out backpressure and down
-        shards (see the module docstring). Returns the summed accepted/duplicates counts.
-        If it raises, groups on other shards may have been stored: calling `put` again with the
-        same trajectories is safe (they are deduped, and pinned to where they may have gone)."""
-        total = PutReply(proto=PROTO_VERSION, id=0)
-        self._put_groups(self._out_groups(trajs), total)
-        return total
-
-    def _put_groups(self, todo: list[_OutGroup], total: PutReply) -> None:
-        """Send `todo` and retry what fails until every group is stored (or give up: raise)."""
-        give_up = time.monotonic() + self.put_give_up_s
-        while todo:
-            sent = self._send_puts(self._plan_messages(todo))
-            wait_all([call for _, call in sent], self.links)
-            todo, wait_s, last_error = self._harvest(sent, total)
-            if todo:
-                self._wait_before_retry(wait_s, give_up, last_error, full=_is_full(last_error))
-
-    def _harvest(
-        self, sent: Sequence[tuple[list[_OutGroup], Call]], total: PutReply
-    ) -> tuple[list[_OutGroup], float, BaseException | None]:
-        """Account for finished PUTs: add what they stored to `total`, keep the regions their
-        shards reserved for our next PUTs. Returns the groups to send again, how long to wait
-        first, and the last error; raises errors no retry can fix."""
-        todo: list[_OutGroup] = []
-        wait_s, last_error = 0.0, None
-        for groups, call in sent:
-            if call.error is None:
-                total.accepted += call.reply.accepted
-                total.duplicates += call.reply.duplicates
-                for g in groups:
-                    self._pin(g)
-                if call.reply.next_region is not None and call.peer is call.link.peer:
-                    call.peer.keep_spare(call.reply.next_region, time.monotonic())
-                continue
-            last_error = call.error
-            todo.extend(groups)
-            if _refused_region(call):  # (a bug, somewhere): the same PUT with frames
-                log.warning("%s: %s; sending it as frames", call.link.name, call.error)
-                for g in groups:
-                    g.frames_only = True
-            elif isinstance(call.error, BufferError) and call.error.code == "FULL":
-                wait_s = max(wait_s, call.error.retry_after_ms / 1000.0)
-            elif isinstance(call.error, Lost):
-                for g in groups:
-                    self._pin(g)
-                wait_s = max(wait_s, self._retry_delay(groups))
-            elif isinstance(call.error, NotSent) or (
-                isinstance(call.error, BufferError) and call.error.code == "UNAVAILABLE"
-            ):
-                wait_s = max(wait_s, self._retry_delay(groups))
-            else:
-                raise call.error  # a request the shard will never take (BAD_HEADER, TOO_LARGE...)
-        return todo, wait_s, last_error
+        shards (docs/architecture.md, Buffer: Client). Returns the summed accepted/duplicates
+        counts. If it raises, groups on other shards may have been stored: calling `put` again
+        with the same trajectories is safe (they are deduped, and pinned to where they may have
+        gone)."""
+        return self._puts.put(trajs)
 
     def pipeline(self, window: int = 2) -> PutPipeline:
         """PUTs that do not wait for their replies, up to `window` in flight (see PutPipeline)."""
-        return PutPipeline(self, window)
+        return PutPipeline(self._puts, window)
 
     def batcher(self, max_trajs: int = 256, max_bytes: int = 4 << 20, linger_s: float = 0.05) -> PutBatcher:
         """Collects small PUTs into larger ones (see PutBatcher)."""
-        return PutBatcher(self, max_trajs=max_trajs, max_bytes=max_bytes, linger_s=linger_s)
+        return PutBatcher(self._puts, max_trajs=max_trajs, max_bytes=max_bytes, linger_s=linger_s)
 
-    def _out_groups(self, trajs: Sequence[Trajectory]) -> list[_OutGroup]:
-        groups: dict[str, _OutGroup] = {}
-        for t in trajs:
-            meta, frames = t.to_wire()
-            g = groups.get(t.group_id)
-            if g is None:
-                g = groups[t.group_id] = _OutGroup(t.group_id, [], 0)
-            g.wire.append((meta, frames))
-            g.nbytes += t.nbytes
-        for g in groups.values():
-            if g.nbytes > self.max_message_bytes - (1 << 20):
-                raise ValueError(
-                    f"group {g.group_id!r}: {g.nbytes} payload bytes cannot fit one message "
-                    f"(buffer.max_message_bytes={self.max_message_bytes})"
-                )
-            if len(g.wire) > self.max_batch:
-                raise ValueError(
-                    f"group {g.group_id!r}: {len(g.metas)} trajectories > buffer.max_batch {self.max_batch}"
-                )
-        return list(groups.values())
+    @property
+    def backpressure_s(self) -> float:
+        """Total time PUTs spent waiting on full shards."""
+        return self._puts.backpressure_s
 
-    def _plan_messages(self, todo: list[_OutGroup]) -> list[list[_OutGroup]]:
-        """Choose each group's shard (unless pinned), then pack groups into PUT messages that
-        respect max_batch and put_message_bytes."""
-        now = time.monotonic()
-        by_shard: dict[int, list[_OutGroup]] = {}
-        for g in todo:
-            if not g.pinned:
-                pinned = self._placement.get(g.group_id)
-                g.shard, g.pinned = (
-                    (pinned, True) if pinned is not None else (self._place(g.group_id, now), False)
-                )
-            by_shard.setdefault(g.shard, []).append(g)
-        messages = []
-        for groups in by_shard.values():
-            current: list[_OutGroup] = []
-            n = nbytes = 0
-            for g in groups:
-                if current and (
-                    n + len(g.wire) > self.max_batch or nbytes + g.nbytes > self.put_message_bytes
-                ):
-                    messages.append(current)
-                    current, n, nbytes = [], 0, 0
-                current.append(g)
-                n += len(g.wire)
-                nbytes += g.nbytes
-            messages.append(current)
-        return messages
+    @property
+    def rerouted_groups(self) -> int:
+        """New groups stored away from their home shard (it was down)."""
+        return self._placement.rerouted_groups
 
-    def _place(self, group_id: str, now: float) -> int:
-        """Shard of a new group: its home if that is up, else the first live one in its order."""
-        home = shard_of(group_id, self.n_shards)
-        if self.links[home].available(now):
-            return home
-        for k in fallback_order(group_id, self.n_shards):
-            if self.links[k].available(now):
-                self.rerouted_groups += 1
-                return k
-        return home  # nothing is up: wait for the home shard
+    @property
+    def shared_put_bytes(self) -> int:
+        """Payload bytes PUT through shared memory (same host)."""
+        return self._puts.shared.shared_put_bytes
 
-    def _pin(self, g: _OutGroup) -> None:
-        g.pinned = True
-        self._placement[g.group_id] = g.shard
-        self._placement.move_to_end(g.group_id)
-        while len(self._placement) > PLACEMENT_MEMORY:
-            self._placement.popitem(last=False)
-
-    def _send_put(self, groups: list[_OutGroup]) -> Call:
-        link = self.links[groups[0].shard]
-        header = PutRequest(
-            proto=PROTO_VERSION, id=link.next_id(), trajs=[m for g in groups for m in g.metas]
-        )
-        call = Call(header, [f for g in groups for f in g.frames], self.timeout_s)
-        link.send(call)
-        return call
-
-    def _send_puts(self, messages: list[list[_OutGroup]]) -> list[tuple[list[_OutGroup], Call]]:
-        """Send every message: through shared memory where the shard is on this host, else with
-        frames. A same-host message goes at once into the region its shard reserved with our
-        last PUT (`spare`), or after a RESERVE (sent for all such messages at once, their
-        checksums computed while the replies come)."""
-        sent, reserving, ready, releases = [], [], [], []
-        now = time.monotonic()
-        for groups in messages:
-            link = self.links[groups[0].shard]
-            link.pump_events()
-            peer = link.peer
-            if peer is None or any(g.frames_only for g in groups) or not self._worth_sharing(link, groups):
-                sent.append((groups, self._send_put(groups)))
-                continue
-            payload = RegionPayload([w for g in groups for w in g.wire])
-            peer.note_put_bytes(payload.nbytes)
-            spare, release = peer.spare_for(payload.nbytes, now)
-            releases += [self._release_call(link, peer, region) for region in release]
-            if spare is not None:
-                ready.append((groups, peer, spare.region, spare.segment, spare.offset, payload))
-                continue
-            call = Call(
-                ReserveRequest(
-                    proto=PROTO_VERSION, id=link.next_id(), nbytes=payload.nbytes, token=peer.token
-                ),
-                timeout_s=self.timeout_s,
-                peer=peer,
-            )
-            link.send(call)
-            self.reserve_requests += 1
-            reserving.append((groups, call, payload))
-        for groups, *at, payload in ready:
-            sent.append((groups, self._put_region(groups, *at, payload)))
-        for _, _, payload in reserving:
-            payload.checksum  # noqa: B018 - (computed while the RESERVE replies are on their way)
-        if reserving or releases:
-            wait_all([call for _, call, _ in reserving] + releases, self.links)
-            sent += [
-                (groups, self._after_reserve(groups, call, payload)) for groups, call, payload in reserving
-            ]
-        return sent
-
-    def _release_call(self, link: ShardLink, peer, region: int, timeout_s: float | None = None) -> Call:
-        """Give back a region the shard reserved for us that we will not use (its outcome does
-        not matter: an unreleased region expires; see `_release_spares`)."""
-        call = Call(
-            ReserveRequest(
-                proto=PROTO_VERSION, id=link.next_id(), nbytes=0, token=peer.token, release=region
-            ),
-            timeout_s=timeout_s or self.timeout_s,
-        )
-        link.send(call)
-        return call
-
-    def _worth_sharing(self, link: ShardLink, groups: list[_OutGroup]) -> bool:
-        least = self.same_host_min_put_bytes
-        if least is None:
-            least = link.peer.min_put_bytes
-        return sum(g.nbytes for g in groups) >= max(1, least)
-
-    def _after_reserve(self, groups: list[_OutGroup], reserve: Call, payload: RegionPayload) -> Call:
-        """A reservation that failed is returned as the outcome (FULL: wait; lost or not sent:
-        the PUT never left, retry), or the message goes as frames (the shard refused shared
-        memory); else write and PUT."""
-        link = reserve.link
-        if isinstance(reserve.error, (NotSent, Lost)):
-            reserve.error = NotSent(f"{link.name}: RESERVE failed ({reserve.error}); the PUT was not sent")
-            return reserve
-        if isinstance(reserve.error, BufferError) and reserve.error.code == "FULL":
-            return reserve
-        if isinstance(reserve.error, BufferError):
-            if reserve.error.code == "NOT_SAME_HOST":
-                link.peer_refused()
-            return self._send_put(groups)
-        region: ReserveReply = reserve.reply
-        return self._put_region(groups, reserve.peer, region.region, region.segment, region.offset, payload)
-
-    def _put_region(
-        self, groups: list[_OutGroup], peer, region: int, segment: int, offset: int, payload: RegionPayload
-    ) -> Call:
-        """Write the arrays into the region and PUT the headers naming it (asking for the next
-        region with it), or, if the file cannot be written, PUT them as frames."""
-        link = self.links[groups[0].shard]
-        try:
-            peer.write(segment, offset, payload)
-        except OSError as e:  # (the reservation expires on the shard)
-            log.warning("%s: cannot write its shared segment (%s): using ZeroMQ", link.name, e)
-            link.peer_refused()
-            return self._send_put(groups)
-        header = PutRequest(
-            proto=PROTO_VERSION,
-            id=link.next_id(),
-            trajs=[m for g in groups for m in g.metas],
-            region=region,
-            region_checksum=payload.checksum,
-            reserve_next=peer.next_put_bytes(),
-        )
-        call = Call(header, (), self.timeout_s, peer=peer)
-        link.send(call)
-        self.shared_put_bytes += sum(g.nbytes for g in groups)
-        return call
-
-    def _retry_delay(self, groups: list[_OutGroup]) -> float:
-        """How long until any shard these groups may go to is worth trying again."""
-        now = time.monotonic()
-        if any(not g.pinned for g in groups) and any(link.available(now) for link in self.links):
-            return 0.0
-        shards = {g.shard for g in groups if g.pinned} or set(range(self.n_shards))
-        return max(0.0, min(self.links[k].retry_at for k in shards) - now)
-
-    def _wait_before_retry(
-        self, wait_s: float, give_up: float, error: BaseException | None, full: bool
-    ) -> None:
-        if time.monotonic() + wait_s > give_up:
-            if isinstance(error, BufferError):
-                raise error
-            raise ShardUnavailable(f"PUT gave up after {self.put_give_up_s:.1f}s: {error}") from error
-        end = time.monotonic() + wait_s
-        while True:
-            if self.should_abort():
-                raise PutAborted("PUT abandoned on request")
-            left = end - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(left, 0.05))
-        if full:
-            self.backpressure_s += wait_s
+    @property
+    def reserve_requests(self) -> int:
+        """RESERVE round trips (most same-host PUTs need none)."""
+        return self._puts.shared.reserve_requests
 
     # -- consumer side: fifo -------------------------------------------------------------------
 
@@ -542,7 +231,7 @@ class BufferClient:
         carried: list[tuple[Call, list[str]]] = []
         try:
             while True:
-                links = self._read_order()
+                links = self._placement.read_order()
                 for link in links:
                     remaining = max_trajs - len(batch.trajs)
                     if remaining <= 0:
@@ -566,7 +255,7 @@ class BufferClient:
                 if connected:
                     self._long_poll(connected, max_trajs, min_version, policy_id, left_ms, batch)
                 else:
-                    time.sleep(min(left_ms / 1000.0, self._time_to_next_probe()))
+                    time.sleep(min(left_ms / 1000.0, self._placement.time_to_next_probe()))
         except BaseException:
             if batch.leases:
                 try:
@@ -668,18 +357,6 @@ class BufferClient:
             batch.leases.append((call.link.index, reply.lease_id))
             batch.trajs.extend(self._trajectories(call))
 
-    def _read_order(self) -> list[ShardLink]:
-        """Live shards, starting one further each call (fairness)."""
-        now = time.monotonic()
-        start = self._next_read
-        self._next_read = (self._next_read + 1) % self.n_shards
-        order = [self.links[(start + i) % self.n_shards] for i in range(self.n_shards)]
-        return [link for link in order if link.available(now)]
-
-    def _time_to_next_probe(self) -> float:
-        now = time.monotonic()
-        return max(0.01, min(link.retry_at for link in self.links) - now)
-
     def ack(self, batch: LeasedBatch) -> int:
         """Delete the leased trajectories. Returns how many; raises (after settling every lease
         it can) if a lease was lost (expired, or its shard restarted) or stayed unreachable."""
@@ -748,7 +425,7 @@ class BufferClient:
             time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
 
     def _sample_once(self, n: int, policy_id: str, min_version: int, beta: float, rng) -> ReplayBatch:
-        links = self._read_order()
+        links = self._placement.read_order()
         out = ReplayBatch()
         if not links:
             return out
@@ -822,16 +499,11 @@ class BufferClient:
         return call
 
     def _trajectories(self, call: Call) -> list[Trajectory]:
-        """The trajectories of a GET or SAMPLE reply: views of the shard's files where it sent
-        references, else of the payload frames."""
-        reply = call.reply
-        if call.header.token and reply.refs:
-            trajs = call.peer.trajectories(reply.trajs, reply.refs, call.frames)
-            self.shared_get_trajs += sum(r.segment >= 0 for r in reply.refs)
-            return trajs
-        if call.header.token and reply.trajs:
-            call.link.peer_refused()  # the shard did not take the token: it restarted, or moved
-        return from_wire_batch(reply.trajs, call.frames)
+        """The trajectories of a GET or SAMPLE reply (views of the shard's files where it sent
+        references, else of the payload frames)."""
+        trajs, shared = reply_trajectories(call)
+        self.shared_get_trajs += shared
+        return trajs
 
     def update_priorities(self, refs: Sequence[SampleRef], priorities: Sequence[float]) -> PriorityResult:
         """New priorities for sampled groups. `refs` and `priorities` are aligned (e.g. one per
@@ -910,152 +582,20 @@ class BufferClient:
                     self.links[k].send(calls[k])
             wait_all([calls[k] for k in todo], self.links)
             if any(isinstance(calls[k].error, (NotSent, Lost)) for k in todo):
-                time.sleep(min(max(0.0, deadline - time.monotonic()), self._time_to_next_probe()))
+                time.sleep(min(max(0.0, deadline - time.monotonic()), self._placement.time_to_next_probe()))
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._release_spares()
+        self._puts.shared.release_spares()
         for link in self.links:
             link.close()
         if self._own_ctx:
             self.ctx.term()
-
-    def _release_spares(self) -> None:
-        """Give back the regions shards reserved for PUTs that will not come (best effort: an
-        unreleased one expires after reserve_timeout_s, and its segment file is then deleted
-        rather than reused)."""
-        calls = []
-        for link in self.links:
-            peer = link.peer
-            if peer is not None:
-                calls += [self._release_call(link, peer, r, timeout_s=0.5) for r in peer.take_spares()]
-        if calls:
-            wait_all(calls, self.links)
 
     def __enter__(self) -> BufferClient:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _refused_region(call: Call) -> bool:
-    """A same-host PUT refused for its region (not written as it says, expired, used)."""
-    return (
-        isinstance(call.header, PutRequest)
-        and call.header.region is not None
-        and isinstance(call.error, BufferError)
-        and call.error.code == "BAD_PAYLOAD"
-    )
-
-
-def _is_full(error: BaseException | None) -> bool:
-    return isinstance(error, BufferError) and error.code == "FULL"
-
-
-class PutPipeline:
-    """PUTs that do not wait for their replies: `put` sends and returns while up to `window`
-    PUT messages are in flight (it waits for the oldest beyond that), so a producer prepares
-    (same host: writes) its next PUT while the shard checks and logs the last one. Every reply
-    is still awaited: those of PUTs that fail are sent again (as `BufferClient.put` does:
-    FULL, a down shard, a lost reply; pinned where they may have gone), synchronously.
-
-    A trajectory is acknowledged by the buffer only once the PUT carrying it was answered:
-    what a `put` call returns counts the PUTs answered during it (maybe earlier calls'), and
-    `flush()` (or leaving the `with` block) waits for every one. If the producer dies before,
-    PUTs not yet answered may or may not be stored (a resend is deduped). Not thread-safe;
-    flush before closing the client."""
-
-    def __init__(self, client: BufferClient, window: int) -> None:
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1")
-        self.client = client
-        self.window = window
-        self.in_flight: deque[tuple[list[_OutGroup], Call]] = deque()
-
-    def put(self, trajs: Sequence[Trajectory]) -> PutReply:
-        """Send `trajs`; return once at most `window` PUT messages are unanswered, with the
-        counts of those answered meanwhile."""
-        client = self.client
-        total = PutReply(proto=PROTO_VERSION, id=0)
-        self._settle_done(total)
-        self.in_flight.extend(client._send_puts(client._plan_messages(client._out_groups(trajs))))
-        self._settle(total, keep=self.window)
-        return total
-
-    def flush(self) -> PutReply:
-        """Wait until every PUT sent is answered (and, if it failed, stored by a retry)."""
-        total = PutReply(proto=PROTO_VERSION, id=0)
-        self._settle(total, keep=0)
-        return total
-
-    def _settle(self, total: PutReply, keep: int) -> None:
-        while len(self.in_flight) > keep:
-            wait_all([self.in_flight[0][1]], self.client.links)
-            self._settle_done(total)
-
-    def _settle_done(self, total: PutReply) -> None:
-        """Account for the finished PUTs (in any order); retry the failed ones to the end."""
-        done = [sent for sent in self.in_flight if sent[1].done]
-        if not done:
-            return
-        self.in_flight = deque(sent for sent in self.in_flight if not sent[1].done)
-        retries = [self.client._harvest([sent], total)[0] for sent in done]
-        for retry in retries:  # (each as it was sent: together they might not fit the shard)
-            if retry:
-                self.client._put_groups(retry, total)
-
-    def __enter__(self) -> PutPipeline:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.flush()
-
-
-class PutBatcher:
-    """Producer-side batching: collects whole groups from many small `add` calls and PUTs them
-    together once `max_trajs` trajectories or `max_bytes` payload bytes are waiting, or the
-    oldest has waited `linger_s` (checked at each `add`; there is no background thread).
-
-    A trajectory is acknowledged by the buffer only when the PUT carrying it returns: when an
-    `add` returns a PutReply, or at `flush()` / leaving the `with` block. Until then it lives
-    only in this process. Not thread-safe."""
-
-    def __init__(self, client: BufferClient, *, max_trajs: int, max_bytes: int, linger_s: float) -> None:
-        self.client = client
-        self.max_trajs = max_trajs
-        self.max_bytes = max_bytes
-        self.linger_s = linger_s
-        self.pending: list[Trajectory] = []
-        self.pending_bytes = 0
-        self.first_at = 0.0
-
-    def add(self, trajs: Sequence[Trajectory]) -> PutReply | None:
-        if not self.pending:
-            self.first_at = time.monotonic()
-        self.pending.extend(trajs)
-        self.pending_bytes += sum(t.nbytes for t in trajs)
-        if (
-            len(self.pending) >= self.max_trajs
-            or self.pending_bytes >= self.max_bytes
-            or time.monotonic() - self.first_at >= self.linger_s
-        ):
-            return self.flush()
-        return None
-
-    def flush(self) -> PutReply:
-        if not self.pending:
-            return PutReply(proto=PROTO_VERSION, id=0)
-        reply = self.client.put(self.pending)
-        self.pending, self.pending_bytes = [], 0
-        return reply
-
-    def __enter__(self) -> PutBatcher:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is None:
-            self.flush()

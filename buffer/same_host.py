@@ -1,18 +1,9 @@
-"""The same-host data plane: what a shard shares with clients on its host, and how they prove it.
-
-Both ends:
-- `host_id()`: the kernel's boot id. A client whose boot id differs from the shard's is on
-  another machine (or another VM) and uses ZeroMQ.
-- A shard that offers shared memory writes a fresh random token into `<shared_dir>/shard.token`
-  (mode 0600) when it starts. A client reads it and sends it with RESERVE, GET and SAMPLE; the
-  shard answers with references only when it matches. Reading the file proves that the client
-  sees the shard's files (same host, same mount namespace, same user), where a host name
-  proves nothing; a token of an earlier incarnation of the shard no longer matches, so a
-  client notices a restart (and a new directory) at its next request.
-
-Client side, `SameHostPeer` (one per shard link): read-only maps of the shard's segment files
-(views of GET/SAMPLE arrays) and write descriptors for the regions it reserved (pwritev: one
-copy of the payload, which is the log write). Shard side, `make_arena` / `write_token`.
+"""The same-host data plane's shared parts: how a client and a shard tell they share a host
+(`host_id`: the kernel's boot id; the token file, a fresh random token per shard start, mode
+0600), the shard's side (`write_token`, `make_arena` for segments in memory), and a client's
+`SameHostPeer` per shard (read-only maps of its segment files for GET/SAMPLE views, write
+descriptors for the regions it reserved; `same_host_client.py` drives it). The handshake and
+why a token file: docs/architecture.md, Buffer (same-host data plane).
 """
 
 from __future__ import annotations

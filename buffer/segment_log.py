@@ -1,57 +1,15 @@
-"""The durable log of one shard: append-only segment files, fsync policy, recovery, compaction.
+"""The durable log of one shard: append-only segment files, the fsync policy, recovery,
+compaction with segment recycling, and the same-host regions and views kept in those files.
+What it logs, why that suffices, and how compaction, recycling and regions work:
+docs/architecture.md (Buffer: durability, compaction, same-host data plane); what a reply
+promises under each `buffer.fsync`: docs/protocol.md.
 
-Files in the shard's log directory: `<n>.seg` (n increasing, 12 digits). Records are appended
-(written at explicit offsets: a file is never truncated, see segment_maps.py) to the newest
-segment; past `segment_bytes` it is sealed (a SEAL record), closed, and the next one started.
-Segments that compaction retires are kept (`<n>.free`, enough to hold what is written between
-two compactions: `compact_min_bytes / segment_bytes + 2` files) and reused for new segments,
-overwritten from the start: on this class of machine writing pages already in the page cache
-costs ~0.2 CPU s/GB, new pages ~2.9 (measured), so recycling makes the log several times
-cheaper in steady state. A record's checksum is seeded with its segment's number, so what a
-recycled file held before is never mistaken for records.
-
-What is logged, and why that is enough to rebuild the shard (see `recover`):
-- PUT: the stored groups with their frames (and, replay, the seqs the PUT evicted). Written
-  before the PUT is answered, so an acknowledged trajectory is in the log.
-- ACK: the lease id and the seqs it deleted. Written before the ACK is answered, so an
-  acknowledged consumption never comes back.
-- DROP (stale) and PRIORITY (replay). Leases and NACKs are not logged: after a restart every
-  leased group is simply queued again.
-The state at any point is therefore: groups PUT and not ACKed, dropped or evicted since the
-last snapshot.
-
-fsync policy (`buffer.fsync`): every policy has written (write(2)) each record before the
-reply that depends on it is sent, so a killed shard loses nothing it acknowledged; `always`
-also fsyncs before those replies (one fsync per batch of requests served together: group
-commit), `interval` fsyncs at most `fsync_interval_ms` later, `none` leaves it to the OS.
-
-Compaction keeps the log bounded: when it outgrows `compact_ratio` times the bytes still held
-(and `compact_min_bytes`), the shard captures its live state, starts a new segment for further
-writes, and a background thread writes the captured state as a snapshot segment numbered just
-before it (tmp file, fsync, rename, fsync dir). Once it is in place the older segments are
-retired. Recovery starts from the newest snapshot segment; a crash at any step leaves either
-the old segments (still complete) or the snapshot. Recovery reads each segment up to its SEAL;
-the last segment may end without one (the shard died): it ends at its first bad record (a torn
-write), and recovery seals it there.
-
-Same-host data plane (docs/architecture.md): the segment files are also the shared memory.
-- Readers: every stored trajectory knows where its arrays lie (`loc`); same-host consumers
-  map the files read-only and read them there. Compaction moves live groups into the snapshot
-  segment and points them (and the shard's own views) there. A retired segment is reused or
-  deleted only once no lease or recent SAMPLE may still be reading it (`view_pins.py`).
-- Writers: `reserve` appends a REGION record (log_records.py) and hands a same-host producer
-  that space of the active segment; the producer writes its arrays there with pwritev and
-  sends the PUT naming the region with the xxh3 of its bytes; the shard checks that checksum
-  and logs a PUT record pointing at the region (`append_put_region`): the producer's write was
-  the log write. A region whose segment is no longer the active one when its PUT arrives is
-  copied into the active segment instead (so a PUT record never points outside its own
-  segment and compaction never retires bytes a new group needs). A reservation not used
-  within `reserve_timeout_s` is dropped and its segment *tainted*: deleted when retired, never
-  reused, so that a late write by a stalled producer lands in a deleted file. Recovery taints
-  segments with regions no PUT record names, and a last segment that ended torn.
-- Without durability (`ephemeral`), the same segments live in a private directory under
-  `buffer.shm_dir` (memory): nothing is recovered, nothing fsynced, only what same-host
-  producers write (and compaction's copies of it) goes there; ZeroMQ PUTs stay in memory.
+The rules this module keeps: a record is written before the reply that depends on it is sent
+(and fsynced first under `fsync: always`), so the log holds whatever anyone was told; files
+are written at explicit offsets and never truncated (a mapped page never lies past its end);
+recovery starts at the newest snapshot segment, reads each segment to its SEAL and the last
+one to its first bad record, and rebuilds the groups PUT and not since ACKed, dropped or
+evicted.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One buffer shard: a ZeroMQ ROUTER server in front of a store (fifo or replay) and its log.
+"""One buffer shard: a ZeroMQ ROUTER server in front of a store (fifo or replay) and its log
+(docs/architecture.md, Buffer; the messages: docs/protocol.md).
 
 Socket rules:
 - The shard binds a ROUTER at its endpoint (`buffer/sockets.py`); clients (DEALER or REQ)
@@ -17,14 +18,9 @@ Socket rules:
   batch, and only then are the batch's replies sent (group commit): a reply never promises
   more than the log holds.
 - Linger 0 at close: a stopped shard does not block on unsent replies.
-
-Same-host data plane (`buffer.same_host_transport: auto`, docs/architecture.md): the shard's
-segment files (its log, or memory-backed segments in `buffer.shm_dir` without durability) are
-shared with clients on its host that read its token file (`same_host.py`). HELLO tells a
-client where they are; RESERVE hands a producer space in the active segment, which it fills
-itself before its PUT names it (the shard checks the bytes against the PUT's checksum before
-storing anything); GET and SAMPLE with the token answer with where each trajectory's arrays
-lie (`TrajRef`) instead of payload frames, and pin those segments (`view_pins.py`).
+- Same host: HELLO, RESERVE, PUTs naming a region (checked against their checksum before
+  anything is stored), and GET/SAMPLE with the token answered by `TrajRef`s instead of frames,
+  their segments pinned (`view_pins.py`).
 """
 
 from __future__ import annotations
