@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from sluice.config.run import RunConfig
-from sluice.learner.backends.base import TrainBackend, build_backend
+from sluice.learner.backends import TrainBackend, build_backend
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
 from sluice.learner.objectives.base import Objective

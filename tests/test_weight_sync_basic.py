@@ -9,7 +9,7 @@ import pytest
 import torch
 from weight_sync_env import SyncEnv, perturb, small_cfg, wait_version
 
-import sluice.weight_sync.broadcaster as broadcaster_module
+import sluice.weight_sync.pipeline as pipeline_module
 from sluice.config.model import ModelConfig, TinyModelInit
 from sluice.control.client import ControlClient
 from sluice.modeling import load_policy, materialize_model_dir
@@ -118,7 +118,7 @@ class SlowChecksums(ChecksumWorker):
 
 
 def test_receivers_wait_for_checksums_that_follow_the_data(env_factory, monkeypatch):
-    monkeypatch.setattr(broadcaster_module, "ChecksumWorker", SlowChecksums)
+    monkeypatch.setattr(pipeline_module, "ChecksumWorker", SlowChecksums)
     model = tiny_model()
     env = env_factory(small_cfg(bucket_mb=0.004, piece_mb=0.002))
     receiver = env.receiver("rollout-0")

@@ -9,8 +9,9 @@ receivers write their epoch confirmations.
     ws/transfer              ZeroMQ endpoint of the snapshot server (late joiners pull there)
     ws/control               control-plane endpoint receivers JOIN at (when not configured)
     ws/ann/<seq>             Announcement (msgpack): epoch | weights | shutdown
-    ws/ann/<seq>/sums        weights only: xxh3-64 of every tensor, little-endian uint64 in
-                             layout order, appended bucket by bucket: while or after the
+    ws/ann/<seq>/sums        weights only: the announced checksum's words (xxh3-64 per
+                             tensor, or wsum32 per piece), little-endian uint64 in layout
+                             order, appended bucket by bucket: before, while or after the
                              bucket's data goes out (receivers wait for them before verifying)
     ws/ep<e>/ready/<svc>     a candidate of epoch e confirms it is alive (value: incarnation)
     ws/ep<e>/commit          EpochCommit: the members of epoch e, in rank order

@@ -1,35 +1,18 @@
 """Learner side of weight sync: keep the group's membership current, then publish a version.
 
-Rules:
-- Learner rank 0 serves the rendezvous TCPStore, the snapshot server (late joiners) and is
-  rank 0 (the source) of every epoch's group. Other learner ranks only take part in gathering
-  sharded weights: every rank calls `publish` with the same version, in lockstep.
-- Before a publish, membership changes (JOIN, LEAVE, a failed member) form a new epoch: the
-  candidates are announced, those that confirm within `ready_timeout_s` are committed, and a
-  new group is built under the epoch's own store prefix. Dead candidates are left out.
-- A publish announces `(epoch, version, layout, piece size)` under `ws/ann/<seq>`, then
-  gathers bucket by bucket and sends piece by piece (a bucket is one piece unless a tensor
-  made it bigger than `bucket_mb`): a piece is cast straight from the source into the host
-  buffer, its broadcast started, and it is checksummed in a background thread while the next
-  piece is cast; a bucket's checksums are appended to `ws/ann/<seq>/sums` once its last
-  piece is hashed. At most `pipeline_depth` pieces are in flight.
-- Every published version is kept as a host snapshot: late joiners pull it, a delta is
-  computed against it, and a publish whose collective failed is sent again from it over a
-  rebuilt group (the learner writes `ws/ep<e>/abort` first, so receivers stuck in the failed
-  epoch's collectives let go at once). No wait in here is longer than a timeout: members bump
-  a heartbeat while they wait in a collective, so a crashed or hung receiver costs about
-  `liveness_timeout_s` plus `ready_timeout_s` (at most `publish_timeout_s` plus
-  `ready_timeout_s` if its heartbeat still moves), never a hang.
-- `close()` announces `shutdown` and waits (briefly) for members to leave.
+Every learner rank calls `publish` in lockstep (the others only gather sharded weights); rank 0
+serves the store and the snapshot server, forms membership epochs, and sends, via
+weight_sync.pipeline. The protocol, its failure rules and its timings are in
+docs/architecture.md, "Weight sync".
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -58,7 +41,7 @@ from sluice.weight_sync.announcements import (
     sums_key,
 )
 from sluice.weight_sync.buffers import BufferPool
-from sluice.weight_sync.checksums import ChecksumWorker, piece_wsum, wsum_words
+from sluice.weight_sync.checksums import WIRE_CHECKSUMS, XXH3, piece_wsum
 from sluice.weight_sync.group import (
     BroadcastGroup,
     CollectiveError,
@@ -66,7 +49,6 @@ from sluice.weight_sync.group import (
     make_group,
     open_store,
     resolve_backend,
-    wait_work,
 )
 from sluice.weight_sync.layout import (
     TORCH_DTYPES,
@@ -76,24 +58,16 @@ from sluice.weight_sync.layout import (
     empty_bucket,
     encode_checksums,
     pack_bucket,
-    piece_bounds,
     plan_buckets,
 )
 from sluice.weight_sync.membership import Candidate, Membership
 from sluice.weight_sync.metrics import BroadcastMetrics, PublishStats
+from sluice.weight_sync.pipeline import Piece, PiecePipeline, Producer, SendSums, flat_pieces
 from sluice.weight_sync.snapshot import Snapshot
 from sluice.weight_sync.source import ParamSource, source_for
 from sluice.weight_sync.transfer_server import SnapshotServer
 
 log = logging.getLogger(__name__)
-
-# A piece of a bucket: (what to broadcast, on the group's device; its host copy, or None when
-# the bucket's checksums are known already; its wsum32 taken where it was packed, or None when
-# the wire checksum is xxh3)
-Piece = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-# produce(i, bucket, bounds, wire_sums) -> the bucket's pieces, in the order of `bounds`
-# ([lo, hi) each); wire_sums: take each piece's wsum32
-Producer = Callable[[int, Bucket, list[tuple[int, int]], bool], Iterator[Piece]]
 
 
 class MembershipHost(Protocol):
@@ -128,6 +102,17 @@ class _Liveness:
             elif now - since > self.timeout_s:
                 self.silent.append(rank)
         return bool(self.silent)
+
+
+@dataclass
+class _Sent:
+    """How one publish's sends went (for its PublishStats)."""
+
+    members: int  # the group's members when it was sent
+    bytes: int  # sent over the group
+    delta_tensors: int  # tensors a delta sent; -1: sent in full
+    retried: bool  # the first send failed and the snapshot went again over a new epoch
+    delivered: bool  # sent without a failure (`confirm: wait`: and every member reported it)
 
 
 class WeightBroadcaster:
@@ -242,54 +227,61 @@ class WeightBroadcaster:
         self._handle_reports()
         if self.membership.needs_epoch() or self._broken:
             self._form_epoch()
-        members = self.group.world_size - 1 if self.group else 0
         later = self.cfg.confirm == "background" and self.group is not None
-        if self.cfg.delta:
-            snapshot = self._build_snapshot(version, layout, source, send=False)[0]
-            error, sent, delta_tensors = self._send_delta(snapshot, confirm=not later)
-        else:
-            snapshot, error = self._build_snapshot(version, layout, source, send=True, confirm=not later)
-            sent, delta_tensors = snapshot.nbytes, -1
-        retried = delivered = False
-        if error is None:
-            delivered = True
-        else:
-            retried = True
-            self._abandon_epoch(error)
-            self._form_epoch()
-            members = self.group.world_size - 1 if self.group else 0
-            error = self._send_full(snapshot)
-            sent, delta_tensors = snapshot.nbytes, -1
-            delivered = error is None
-            if error is not None:
-                self._abandon_epoch(error)
-        if delivered and delta_tensors < 0:
+        snapshot, sent = self._deliver(version, layout, source, confirm=not later)
+        if sent.delivered and sent.delta_tensors < 0:
             self._force_full = False
-        if delivered and later and not retried:
+        if sent.delivered and later and not sent.retried:
             group = self.group
             self._confirming = self._confirm_pool.submit(self._confirm, group, version, on_confirmed)
         elif on_confirmed is not None:  # undelivered too: members pull the snapshot from here
             on_confirmed(version)
-        retired, self.snapshot = self.snapshot, snapshot
-        if self.transfer is not None:
-            self.transfer.publish(snapshot)
-        if retired is not None:
-            self._host_buffers.retire(retired.flats)  # reused once no pull holds a view of it
+        self._keep_snapshot(snapshot)
         self.membership.set_published(version)
         stats = PublishStats(
             version=version,
-            bytes=sent if (self.group is not None and delivered) else 0,
+            bytes=sent.bytes if (self.group is not None and sent.delivered) else 0,
             seconds=time.perf_counter() - t0,
-            members=members if delivered else 0,
+            members=sent.members if sent.delivered else 0,
             epoch=self.membership.epoch,
-            delta_tensors=delta_tensors,
-            retried=retried,
-            delivered=delivered,
+            delta_tensors=sent.delta_tensors,
+            retried=sent.retried,
+            delivered=sent.delivered,
             send_seconds=self._phases[0],
             confirm_seconds=self._phases[1],
         )
         self.metrics.published(stats)
         return stats
+
+    def _deliver(
+        self, version: int, layout: list[Bucket], source: ParamSource, confirm: bool
+    ) -> tuple[Snapshot, _Sent]:
+        """Pack `version` into a snapshot and send it (only what changed, with `delta`); if
+        that fails, abandon the epoch and send the snapshot in full over a new one, once."""
+        members = self.group.world_size - 1 if self.group else 0
+        if self.cfg.delta:
+            snapshot = self._build_snapshot(version, layout, source, send=False)[0]
+            error, nbytes, delta_tensors = self._send_delta(snapshot, confirm=confirm)
+        else:
+            snapshot, error = self._build_snapshot(version, layout, source, send=True, confirm=confirm)
+            nbytes, delta_tensors = snapshot.nbytes, -1
+        if error is None:
+            return snapshot, _Sent(members, nbytes, delta_tensors, retried=False, delivered=True)
+        self._abandon_epoch(error)
+        self._form_epoch()
+        members = self.group.world_size - 1 if self.group else 0
+        error = self._send_full(snapshot)
+        if error is not None:
+            self._abandon_epoch(error)
+        return snapshot, _Sent(members, snapshot.nbytes, -1, retried=True, delivered=error is None)
+
+    def _keep_snapshot(self, snapshot: Snapshot) -> None:
+        """`snapshot` is what late joiners pull and the next delta's base from now on."""
+        retired, self.snapshot = self.snapshot, snapshot
+        if self.transfer is not None:
+            self.transfer.publish(snapshot)
+        if retired is not None:
+            self._host_buffers.retire(retired.flats)  # reused once no pull holds a view of it
 
     def _source_for(self, model: torch.nn.Module | ParamSource) -> ParamSource:
         if self._source is None or self._source[0] is not model:
@@ -356,9 +348,7 @@ class WeightBroadcaster:
         def produce(
             i: int, bucket: Bucket, bounds: list[tuple[int, int]], wire_sums: bool
         ) -> Iterator[Piece]:
-            for lo, hi in bounds:
-                wire = snapshot.flats[i][lo:hi].to(wire_device)
-                yield wire, None, piece_wsum(wire, lo) if wire_sums else None
+            return flat_pieces(snapshot.flats[i], bounds, wire_device, wire_sums)
 
         return self._send(snapshot.version, snapshot.buckets, produce, snapshot.sums, confirm=confirm)[0]
 
@@ -373,16 +363,13 @@ class WeightBroadcaster:
         specs = [TensorSpec(t.name, tuple(t.shape), TORCH_DTYPES[t.dtype]) for t in changed.values()]
         layout = plan_buckets(specs, int(self.cfg.bucket_mb * 2**20))
         sums = [[changed[n].checksum for n in bucket.names] for bucket in layout]
-
         wire_device = self._wire_device()
 
         def produce(
             i: int, bucket: Bucket, bounds: list[tuple[int, int]], wire_sums: bool
         ) -> Iterator[Piece]:
             packed = pack_bucket(bucket, {n: changed[n].data for n in bucket.names}, empty_bucket(bucket))
-            for lo, hi in bounds:
-                wire = packed[lo:hi].to(wire_device)
-                yield wire, None, piece_wsum(wire, lo) if wire_sums else None
+            return flat_pieces(packed, bounds, wire_device, wire_sums)
 
         error, _ = self._send(
             snapshot.version, layout, produce, sums, base_version=base.version, confirm=confirm
@@ -400,82 +387,46 @@ class WeightBroadcaster:
         send: bool = True,
         confirm: bool = True,
     ) -> tuple[CollectiveError | None, list[list[int]]]:
-        """Announce, then produce and broadcast piece by piece, keeping up to
-        `pipeline_depth` broadcasts in flight. `sums`: the buckets' xxh3 checksums when known
-        (appended before each bucket's data when xxh3 is the wire checksum); None: each piece's
-        host copy is hashed in a background thread while the next one is packed, and (xxh3 on
-        the wire) the bucket's sums are appended once its last piece is hashed (receivers wait
-        for them before they verify). With wsum32 on the wire, each piece's sum is taken where
-        it was packed and a bucket's are appended after its last piece. Every bucket is
-        produced even after a failure (learner ranks gather in lockstep, and the snapshot needs
-        every bucket). Returns (error, every bucket's xxh3 checksums)."""
+        """Announce `version` (when `send` and there is a group), produce and broadcast its
+        buckets piece by piece (PiecePipeline) with their checksums where the wire checksum
+        says (SendSums), then await the members' reports unless `confirm` is off (`_confirm`
+        does it in the background). `sums`: the buckets' xxh3 when known; None: hashed from
+        the pieces' host copies. Returns (error, every bucket's xxh3)."""
         group = self.group if send else None
         t_start = time.perf_counter()
         piece_bytes = max(1, int(self.cfg.piece_mb * 2**20))
-        checksum = self._wire_checksum() if group is not None else "xxh3"
-        wire_sums = checksum == "wsum32"
-        seq = -1
+        wire = WIRE_CHECKSUMS[self._wire_checksum()] if group is not None else XXH3
+        append = None
         if group is not None:
             seq = self.membership.next_seq()
             self._announce(
-                seq, WeightsAnnouncement(group.epoch, version, layout, base_version, piece_bytes, checksum)
+                seq, WeightsAnnouncement(group.epoch, version, layout, base_version, piece_bytes, wire.name)
             )
-        store = self.store
-
-        def append_sums(i: int, bucket_sums: list[int]) -> None:
-            store.append(sums_key(seq), encode_checksums(bucket_sums))
-
-        on_hashed = append_sums if group is not None and not wire_sums else None
-        worker = None if sums is not None else ChecksumWorker(on_hashed, self._hash_pool)
-        inflight: deque[tuple[dist.Work, torch.Tensor]] = deque()
-        error: CollectiveError | None = None
+            append = self._sums_appender(seq)
         liveness = _Liveness(self.store, group, self.cfg.liveness_timeout_s) if group else None
-
-        def wait_oldest() -> None:
-            wait_work(inflight.popleft()[0], self.cfg.publish_timeout_s, liveness, poll_s=0.25)
-
-        try:
-            for i, bucket in enumerate(layout):
-                bounds = piece_bounds(bucket, piece_bytes)
-                if sums is not None and group is not None and not wire_sums:
-                    append_sums(i, sums[i])  # known already: before the data
-                piece_sums: list[torch.Tensor] = []
-                for (lo, _), (wire, host, wsum) in zip(
-                    bounds, produce(i, bucket, bounds, wire_sums), strict=True
-                ):
-                    if group is not None and error is None:
-                        try:
-                            inflight.append((group.broadcast_async(wire), wire))
-                        except CollectiveError as e:
-                            error = e
-                    if worker is not None:
-                        worker.add(i, bucket, host, lo)  # hashed while the next piece is packed
-                    if wsum is not None:
-                        piece_sums.append(wsum)
-                    while inflight and error is None and len(inflight) >= self.cfg.pipeline_depth:
-                        try:
-                            wait_oldest()
-                        except CollectiveError as e:
-                            error = e
-                if wire_sums:
-                    append_sums(i, wsum_words(piece_sums))  # follow the data
-        finally:
-            if worker is not None:
-                sums = worker.finish()
-        while inflight and error is None:
-            try:
-                wait_oldest()
-            except CollectiveError as e:
-                error = e
+        pipeline = PiecePipeline(group, self.cfg.pipeline_depth, self.cfg.publish_timeout_s, liveness)
+        hashed = pipeline.send(layout, produce, SendSums(wire, append, sums, self._hash_pool), piece_bytes)
+        error = pipeline.error
         t_sent = time.perf_counter()
-        if error is None and group is not None and confirm:  # else: _confirm, in the background
+        if error is None and group is not None and liveness is not None and confirm:  # else: _confirm
             error = self._await_reports(group, version, liveness)
         self._phases = (t_sent - t_start, time.perf_counter() - t_sent)
         if error is not None:
             if liveness is not None and liveness.silent and "heartbeat" not in str(error):
                 error = CollectiveError(f"{error}: no heartbeat from rank(s) {liveness.silent}")
-            self._abandoned_works.append(list(inflight))  # released with the group, not here
-        return error, sums
+            self._abandoned_works.append(pipeline.pending())  # released with the group, not here
+        return error, hashed
+
+    def _sums_appender(self, seq: int) -> Callable[[int, list[int]], None]:
+        """Appends a bucket's checksums to announcement `seq`'s sums (called from the hashing
+        thread when xxh3 sums follow the data)."""
+        store = self.store
+        assert store is not None, "start() first"
+
+        def append(i: int, bucket_sums: list[int]) -> None:
+            store.append(sums_key(seq), encode_checksums(bucket_sums))
+
+        return append
 
     def _confirm(
         self, group: BroadcastGroup, version: int, on_confirmed: Callable[[int], None] | None

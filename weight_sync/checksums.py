@@ -1,25 +1,20 @@
-"""Checksums of what goes over the wire: per-tensor xxh3-64 on the host, or wsum32 per piece
-on the device the piece lives on.
+"""Checksums of what goes over the wire: per-tensor xxh3-64 of host bytes, or wsum32 per piece
+on the device the piece lives on; `WireChecksum` says, for both sides, which one an
+announcement's sums are.
 
-xxh3 (gloo epochs, snapshots, pulls, deltas) hashes host bytes, so on an accelerator it costs a
-device-to-host copy and one CPU core (7.7 GB/s measured on an H200 host): far below an NVLink
-NCCL broadcast. `wsum32` (the default for nccl/hccl epochs) is computed where the bytes are,
-with plain torch ops, so the same code gives the same value on CPU (tests) and GPU.
-
-Both sides checksum every tensor of a bucket (`layout.slot_checksums` gives the same values
-in one go). A bucket larger than a piece is sent in pieces, so a tensor can span pieces: its
-hash is streamed (`xxhash.xxh3_64().update`, which gives the same digest as the one-shot
-function). Pieces must be fed in order.
-
-On the learner, hashing runs in one background thread (`ChecksumWorker`) while the main
-thread casts the next piece and the collective moves the previous ones: xxhash and torch's
-copy both release the GIL, so the checksums cost no time on the publish's critical path.
+xxh3 costs an accelerator a device-to-host copy and a CPU core; wsum32 is computed where the
+bytes are, with plain torch ops, so CPU (tests) and GPU give the same value. A tensor can span
+pieces, so its xxh3 is streamed (the same digest as `layout.slot_checksums` in one go): pieces
+must be fed in order. On the learner, hashing runs in one background thread
+(`ChecksumWorker`), off the publish's critical path (xxhash and torch's copy release the
+GIL). Measurements and the rules: docs/architecture.md, "Weight sync" (Wire checksums).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 import xxhash
@@ -117,7 +112,6 @@ class ChecksumWorker:
 
 # -- wsum32: a position-weighted sum, computed on any device ----------------------------------
 
-WIRE_CHECKSUMS = ("xxh3", "wsum32")
 _WSUM_MULTIPLIER = 0x4F1BBCDD  # odd, below 2^31 (2^31 / golden ratio)
 _U64 = (1 << 64) - 1
 
@@ -182,3 +176,30 @@ class PieceSummer:
     def sums(self) -> list[int]:
         """One word per piece (synchronises with the device)."""
         return wsum_words(self._pending)
+
+
+# -- the wire checksum: what the announced sums are, for both sides --------------------------
+
+
+@dataclass(frozen=True)
+class WireChecksum:
+    """What the sums under `ws/ann/<seq>/sums` are: the announcement names one, the learner
+    writes its sums by it (weight_sync.pipeline.SendSums) and receivers verify by it
+    (`checker`), so the two sides cannot disagree on what is summed."""
+
+    name: str  # as announced (WeightsAnnouncement.checksum)
+    per_piece: bool  # wsum32: one word per piece, taken where the piece is; xxh3: one per tensor
+
+    @property
+    def unit(self) -> str:
+        """What one sum covers, for error messages."""
+        return "pieces" if self.per_piece else "tensors"
+
+    def checker(self, bucket: Bucket, index: int) -> SlotHasher | PieceSummer:
+        """A receiver's verifier of bucket `index` of the layout, fed its pieces in order."""
+        return PieceSummer(bucket, index) if self.per_piece else SlotHasher(bucket)
+
+
+XXH3 = WireChecksum("xxh3", per_piece=False)
+WSUM32 = WireChecksum("wsum32", per_piece=True)
+WIRE_CHECKSUMS = {c.name: c for c in (XXH3, WSUM32)}

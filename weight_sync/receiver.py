@@ -1,23 +1,10 @@
 """Rollout side of weight sync: a thread that keeps a verified copy of the newest weights.
 
-Rules:
-- Joining: pull the learner's current version over ZeroMQ (if newer than what is held), then
-  JOIN over the control plane and follow the store's announcements from the `seq` the reply
-  names. An `epoch` announcement that lists this service: confirm (`ws/ep<e>/ready/<id>`),
-  read the commit, build the epoch's group with the rank the commit gives. One that does not
-  list it while it is in a group: the learner moved on without it, so it joins again.
-- A `weights` announcement of its epoch: receive every bucket into fresh buffers (never the
-  live model: generation goes on meanwhile), verify every tensor's checksum, check the layout
-  (and, for a delta, that the base is the version held). Any mismatch refuses the whole
-  version: the old weights stay, the refusal is counted, logged and reported to the learner
-  (SYNC_REPORT). Verified versions become `latest`; the rollout loop takes them at a safe
-  point and loads them into its engine in place.
-- A collective that fails (peer gone, timeout) or is abandoned by the learner (`abort` key)
-  drops the group: the receiver reports it and waits for the next epoch. Nothing waits
-  forever: every store wait and collective has a timeout, and `stop()` ends waits promptly.
-- `shutdown` (the learner is done) ends the thread with `finished` set and `error` None; a
-  lost learner (store or control plane unreachable) ends it with `error` set. The rollout loop
-  checks both. A stopping receiver LEAVEs, so the group is rebuilt without it.
+It joins the learner's membership, follows the store's announcements, receives each version
+into fresh buffers (never the live model: generation goes on meanwhile), verifies it, and
+hands verified versions to the rollout loop (`take_latest`); anything wrong refuses the whole
+version. Every wait has a timeout and `stop()` ends it promptly. The protocol and its failure
+rules are in docs/architecture.md, "Weight sync".
 """
 
 from __future__ import annotations
@@ -56,7 +43,7 @@ from sluice.weight_sync.announcements import (
     sums_key,
 )
 from sluice.weight_sync.buffers import BufferPool
-from sluice.weight_sync.checksums import WIRE_CHECKSUMS, PieceSummer, SlotHasher
+from sluice.weight_sync.checksums import WIRE_CHECKSUMS, WSUM32, WireChecksum
 from sluice.weight_sync.group import BroadcastGroup, CollectiveAborted, CollectiveError, make_group, wait_work
 from sluice.weight_sync.layout import decode_checksums, piece_bounds, unpack_bucket
 from sluice.weight_sync.transfer_client import TransferError, pull_snapshot
@@ -111,7 +98,7 @@ class WeightReceiver:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._latest: ReceivedWeights | None = None
-        # The held version's tensors, kept only as the base of deltas (weight_sync.delta): once
+        # The held version's tensors, kept only as the base of deltas (`delta: true`): once
         # the rollout loop took and loaded a version, the engine holds the only other copy.
         self._current: dict[str, torch.Tensor] = {}
         self._group: BroadcastGroup | None = None
@@ -208,7 +195,7 @@ class WeightReceiver:
                 if isinstance(announcement, EpochAnnouncement):
                     self._enter_epoch(announcement)
                 elif self._group is not None and announcement.epoch == self._group.epoch:
-                    self._receive(self._seq - 1, announcement)
+                    self._receive(self._seq - 1, announcement, self._group)
                 else:
                     self._catch_up(announcement.version)
             except _Rejoin as why:
@@ -419,65 +406,35 @@ class WeightReceiver:
 
     # -- versions ------------------------------------------------------------------------------
 
-    def _receive(self, seq: int, ann: WeightsAnnouncement) -> None:
-        group = self._group
+    def _receive(self, seq: int, ann: WeightsAnnouncement, group: BroadcastGroup) -> None:
+        """Receive version `ann.version` over `group` (this receiver's) into fresh buffers and
+        verify it; accept it, or refuse it whole and keep the held version."""
         pool = self._host_buffers if group.backend == "gloo" else self._buffers
         flats = [pool.get(b) for b in ann.buckets]
-        pieces = [
-            (i, lo, flat[lo:hi])
-            for i, (bucket, flat) in enumerate(zip(ann.buckets, flats))
-            for lo, hi in piece_bounds(bucket, ann.piece_bytes)
-        ]
+        wire = WIRE_CHECKSUMS.get(ann.checksum)
+        bad = [] if wire is not None else [f"checksum {ann.checksum!r} unknown to this receiver"]
+        wire = wire or WSUM32  # received all the same: the group's collectives stay in step
         works: list = []
-        bad: list[str] = []  # tensors (xxh3) or pieces (wsum32) whose checksum differs
-        abandoned = self._abandoned(ann.epoch, group.rank)
-        if ann.checksum not in WIRE_CHECKSUMS:
-            bad.append(f"checksum {ann.checksum!r} unknown to this receiver")
         try:
-            works.extend(group.broadcast_async(piece) for _, _, piece in pieces)
-            sums: list[int] = []
-            first = 0
-            check: SlotHasher | PieceSummer | None = None
-            for (i, lo, piece), work in zip(pieces, works):
-                wait_work(work, self.cfg.publish_timeout_s, abandoned, _POLL_S)
-                if lo == 0:  # xxh3 per tensor on the host; wsum32 per piece on its device
-                    bucket = ann.buckets[i]
-                    check = SlotHasher(bucket) if ann.checksum == "xxh3" else PieceSummer(bucket, i)
-                check.update(piece, lo)  # verified while the next pieces arrive
-                if not check.done:
-                    continue
-                got = check.sums
-                end = first + len(got)
-                if len(sums) < end:
-                    sums = self._wait_sums(seq, end, abandoned)
-                bad += [label for label, g, e in zip(check.labels, got, sums[first:end]) if g != e]
-                first = end
+            bad += self._receive_pieces(seq, ann, group, flats, wire, works)
         except CollectiveError as e:
             self._drop_group(pending=[works, flats])
-            works, flats = [], []
             self.failures += 1
             log.warning("weight receiver: v%d over epoch %d failed: %s", ann.version, ann.epoch, e)
             self._report(ann.epoch, ann.version, "failed", str(e))
             return
         if bad:
             pool.retire(flats)
-            what = "tensors" if ann.checksum == "xxh3" else "pieces"
-            self._refuse(ann.epoch, ann.version, f"checksum mismatch in {len(bad)} {what}, e.g. {bad[:3]}")
+            self._refuse(
+                ann.epoch, ann.version, f"checksum mismatch in {len(bad)} {wire.unit}, e.g. {bad[:3]}"
+            )
             return
-        if pool is not self._buffers:  # staged on the host: verified there, now moved once
-            staged, flats = flats, [f.to(self.device) for f in flats]
-            pool.retire(staged)
-            pool = self._buffers
-        tensors = {n: t for b, f in zip(ann.buckets, flats) for n, t in unpack_bucket(b, f)}
-        pool.retire(flats)  # reused once the rollout loop dropped its views
+        tensors = self._unpack(ann, pool, flats)
+        if ann.base_version >= 0 and ann.base_version != self.version:
+            why = f"delta on v{ann.base_version}, this receiver holds v{self.version}"
+            self._refuse(ann.epoch, ann.version, why)
+            return
         if ann.base_version >= 0:
-            if ann.base_version != self.version:
-                self._refuse(
-                    ann.epoch,
-                    ann.version,
-                    f"delta on v{ann.base_version}, this receiver holds v{self.version}",
-                )
-                return
             tensors = self._merge(tensors)
         problem = self._layout_problem(ann.version, tensors, full=True)
         if problem:
@@ -485,6 +442,55 @@ class WeightReceiver:
             return
         self._accept(ann.version, tensors)
         self._report(ann.epoch, ann.version, "ok")
+
+    def _receive_pieces(
+        self,
+        seq: int,
+        ann: WeightsAnnouncement,
+        group: BroadcastGroup,
+        flats: list[torch.Tensor],
+        wire: WireChecksum,
+        works: list,
+    ) -> list[str]:
+        """Post every piece's broadcast at once (their works go to `works`), then check each
+        piece as it arrives while the next ones are received, and compare a bucket's sums
+        with the learner's once its last piece is in. Returns what differs: tensors (xxh3)
+        or pieces (wsum32). Raises CollectiveError."""
+        abandoned = self._abandoned(ann.epoch, group.rank)
+        pieces = [
+            [(lo, flat[lo:hi]) for lo, hi in piece_bounds(bucket, ann.piece_bytes)]
+            for bucket, flat in zip(ann.buckets, flats)
+        ]
+        works.extend(group.broadcast_async(piece) for bucket_pieces in pieces for _, piece in bucket_pieces)
+        arrived = iter(works)
+        expected: list[int] = []  # the learner's sums so far
+        first = 0  # index of the bucket's first sum among them
+        bad: list[str] = []
+        for i, (bucket, bucket_pieces) in enumerate(zip(ann.buckets, pieces)):
+            check = wire.checker(bucket, i)  # xxh3 per tensor on the host; wsum32 per piece
+            for lo, piece in bucket_pieces:
+                wait_work(next(arrived), self.cfg.publish_timeout_s, abandoned, _POLL_S)
+                check.update(piece, lo)  # verified while the next pieces arrive
+            got = check.sums
+            end = first + len(got)
+            if len(expected) < end:
+                expected = self._wait_sums(seq, end, abandoned)
+            bad += [label for label, g, e in zip(check.labels, got, expected[first:end]) if g != e]
+            first = end
+        return bad
+
+    def _unpack(
+        self, ann: WeightsAnnouncement, pool: BufferPool, flats: list[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The verified buckets as named views, on the receiver's device (host-staged buckets
+        are moved there once)."""
+        if pool is not self._buffers:
+            staged, flats = flats, [f.to(self.device) for f in flats]
+            pool.retire(staged)
+            pool = self._buffers
+        tensors = {n: t for b, f in zip(ann.buckets, flats) for n, t in unpack_bucket(b, f)}
+        pool.retire(flats)  # reused once the rollout loop dropped its views
+        return tensors
 
     def _merge(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The held version with the delta's tensors replaced. Handed-out tensors are never

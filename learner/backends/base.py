@@ -1,11 +1,11 @@
 """The training backend of a learner group: how gradients are reduced and parameters updated.
 
-One small interface, two implementations chosen by `learner.backend`:
-- ddp (learner/backends/ddp.py): torch DistributedDataParallel, replicated optimizer.
-- deepspeed (learner/backends/deepspeed.py): DeepSpeed ZeRO stage 1/2/3.
-Both take the loss of one micro-batch as its share of the mean over the *whole* learner batch
-(all ranks, all micro-batches; see learner/losses/aggregate.py), so summing gradients over
-micro-batches and averaging over ranks reproduces the single-process update exactly.
+The interface only: the implementations (ddp.py: torch DDP; deepspeed.py: ZeRO 1/2/3) and the
+factory that picks one by `learner.backend` (`build_backend`, learner/backends/__init__.py)
+live beside it, and this module imports neither. Every implementation takes the loss of one
+micro-batch as its share of the mean over the *whole* learner batch (all ranks, all
+micro-batches; see learner/losses/aggregate.py), so summing gradients over micro-batches and
+averaging over ranks reproduces the single-process update exactly.
 """
 
 from __future__ import annotations
@@ -15,9 +15,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
-
-from sluice.config.learner import LearnerConfig
-from sluice.learner.dist import DistContext
 
 
 class TrainBackend(ABC):
@@ -49,15 +46,3 @@ class TrainBackend(ABC):
 
     @abstractmethod
     def load(self, directory: Path) -> None: ...
-
-
-def build_backend(
-    lc: LearnerConfig, model: torch.nn.Module, dist: DistContext, total_updates: int, dtype: str
-) -> TrainBackend:
-    if lc.backend == "deepspeed":
-        from sluice.learner.backends.deepspeed import DeepSpeedBackend
-
-        return DeepSpeedBackend(lc, model, dist, total_updates, dtype)
-    from sluice.learner.backends.ddp import DDPBackend
-
-    return DDPBackend(lc, model, dist, total_updates)
