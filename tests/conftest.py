@@ -1,7 +1,9 @@
-"""Shared fixtures: free ports, in-thread shard servers, subprocess cleanup.
+"""Shared fixtures: in-thread shard and control servers, subprocess cleanup.
 
-Every socket is closed with linger 0 and every thread or process a test starts is stopped in
-teardown, also when the test fails; receives use timeouts, so a broken test fails, not hangs.
+Servers in the test process bind `tcp://127.0.0.1:*` and tests read the port back
+(`.endpoint`): nothing is picked first and bound later. Every socket is closed with linger 0 and
+every thread or process a test starts is stopped in teardown, also when the test fails;
+receives use timeouts, so a broken test fails, not hangs. Shared helpers are in tests/helpers/.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from pathlib import Path
 
 import pytest
 import zmq
+from helpers.lifetime import closing_all
 
 from sluice.buffer.server import ShardServer
 from sluice.config.buffer import BufferConfig
-from sluice.net import free_port
+from sluice.control.admission import AdmissionPolicy
+from sluice.control.client import ControlClient
+from sluice.control.server import ControlServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +37,8 @@ def zmq_ctx() -> Iterator[zmq.Context]:
 
 class RunningShard:
     """A shard server in a thread. `log_dir` makes it durable; `restart()` stops it and starts a
-    new server on the same endpoint and log (what a restarted shard process does)."""
+    new server on the same endpoint and log (what a restarted shard process does). A config
+    endpoint `tcp://host:*` binds a free port, which `endpoint` (and `cfg`) then name."""
 
     def __init__(self, cfg: BufferConfig, shard: int = 0, clock=None, log_dir: Path | None = None) -> None:
         self.cfg = cfg
@@ -50,6 +56,11 @@ class RunningShard:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.server.serve, args=(self.stop,), daemon=True)
         self.thread.start()
+        if self.server.endpoint != self.endpoint:  # bound at `host:*`: a restart keeps the port
+            self.endpoint = self.server.endpoint
+            endpoints = self.cfg.all_endpoints()
+            endpoints[self.shard] = self.endpoint
+            self.cfg = self.cfg.model_copy(update={"endpoints": endpoints})
 
     def close(self) -> None:
         if self.thread is None:
@@ -89,18 +100,29 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def shard_factory(transport: str) -> Iterator:
-    started: list[RunningShard] = []
+    """`make(log_dir=None, **buffer settings)`: a RunningShard on a free port; all closed at
+    teardown."""
 
     def make(log_dir: Path | None = None, **overrides) -> RunningShard:
-        overrides = TRANSPORT_CONFIG[transport] | overrides
-        cfg = BufferConfig(endpoints=[f"tcp://127.0.0.1:{free_port()}"], **overrides)
-        shard = RunningShard(cfg, log_dir=log_dir)
-        started.append(shard)
-        return shard
+        cfg = BufferConfig(endpoints=["tcp://127.0.0.1:*"], **(TRANSPORT_CONFIG[transport] | overrides))
+        return RunningShard(cfg, log_dir=log_dir)
 
-    yield make
-    for s in started:
-        s.close()
+    with closing_all(make) as factory:
+        yield factory
+
+
+@pytest.fixture
+def env_factory() -> Iterator:
+    """`make(cfg=None, **SyncEnv options)`: a learner's weight-sync side in this process
+    (tests/helpers/weight_sync_env.py; `cfg` defaults to its `small_cfg()`); all closed at
+    teardown."""
+    from helpers.weight_sync_env import SyncEnv, small_cfg  # (torch: only where it is used)
+
+    def make(cfg=None, **kwargs) -> SyncEnv:
+        return SyncEnv(cfg or small_cfg(), **kwargs)
+
+    with closing_all(make) as factory:
+        yield factory
 
 
 @pytest.fixture
@@ -121,3 +143,16 @@ def process_reaper() -> Iterator[list[subprocess.Popen]]:
         except (ProcessLookupError, PermissionError):
             pass
         p.wait()
+
+
+@pytest.fixture
+def control() -> Iterator[tuple[ControlServer, ControlClient]]:
+    """A control server in a thread (batch 8, max_staleness 0) and a client of it."""
+    server = ControlServer(
+        "tcp://127.0.0.1:*", AdmissionPolicy(batch_size=8, max_staleness=0), ctx=zmq.Context()
+    )
+    server.start()
+    client = ControlClient(server.endpoint, timeout_s=5)
+    yield server, client
+    client.close()
+    server.close()

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_scripts import ROOT, run_script
+from helpers.bench_scripts import ROOT, run_script
 
 
 @pytest.fixture

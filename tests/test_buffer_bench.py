@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from bench_scripts import run_script
+from helpers.bench_scripts import run_script
 
 
 @pytest.mark.slow

@@ -6,29 +6,18 @@ import threading
 import time
 from collections import Counter
 
-import numpy as np
 import pytest
 import zmq
+from helpers.groups import make_group
+from helpers.wait import wait_until
 
 from sluice.buffer.client import BufferClient, BufferError, ShardUnavailable, shard_of
-from sluice.net import free_port
 
 TRANSPORTS = ["zmq", "shm"]  # every shard test runs over both (tests/conftest.py)
 
 
-def group(gid: str, size: int = 2, version: int = 0) -> list:
-    from sluice.trajectory import Trajectory
-
-    return [
-        Trajectory(
-            traj_id=f"{gid}/{j}",
-            group_id=gid,
-            version=version,
-            group_size=size,
-            arrays={"x": np.full(16, j, dtype=np.int32)},
-        )
-        for j in range(size)
-    ]
+def group(gid: str, size: int = 2) -> list:
+    return make_group(gid, size, nbytes=64)
 
 
 def gids_with_home(home: int, n_shards: int, count: int, prefix: str = "g") -> list[str]:
@@ -88,8 +77,7 @@ def test_a_put_that_may_have_arrived_stays_pinned_and_gives_up(shard_factory, zm
     give-up time instead of blocking."""
     hole = zmq_ctx.socket(zmq.ROUTER)
     hole.setsockopt(zmq.LINGER, 0)
-    hole_ep = f"tcp://127.0.0.1:{free_port()}"
-    hole.bind(hole_ep)
+    hole_ep = f"tcp://127.0.0.1:{hole.bind_to_random_port('tcp://127.0.0.1')}"
     good = shard_factory()
     gid = gids_with_home(0, 2, 1)[0]
     with BufferClient([hole_ep, good.endpoint], timeout_s=0.3, put_give_up_s=1.5) as client:
@@ -113,10 +101,10 @@ def test_put_waits_for_a_shard_that_starts_late(shard_factory):
     shard = shard_factory()
     shard.close()  # not up yet when the producer starts
     result = {}
-    with BufferClient([shard.endpoint], timeout_s=5, put_give_up_s=30) as client:
+    with BufferClient([shard.endpoint], timeout_s=5, put_give_up_s=30, first_connect_s=0.2) as client:
         t = threading.Thread(target=lambda: result.setdefault("reply", client.put(group("late"))))
         t.start()
-        time.sleep(0.5)
+        wait_until(lambda: client.links[0].failures >= 1, 10, "the PUT found no shard (it retries)")
         shard.start()
         t.join(timeout=30)
         assert result["reply"].accepted == 2
@@ -130,7 +118,7 @@ def test_long_poll_takes_the_first_shard_with_data_and_cancels_the_rest(shard_fa
         got = {}
         t = threading.Thread(target=lambda: got.setdefault("b", consumer.get(4, wait_ms=10_000)))
         t.start()
-        time.sleep(0.3)
+        wait_until(lambda: all(s.server.parked for s in shards), 10, "the GET parked on every shard")
         gid = gids_with_home(2, 3, 1)[0]
         producer.put(group(gid))
         t.join(timeout=30)
@@ -169,7 +157,7 @@ def test_lease_expiry_redelivers_over_the_wire(shard_factory):
     with BufferClient([shard.endpoint], timeout_s=5) as client:
         client.put(group("a"))
         first = client.get(2)
-        time.sleep(0.5)  # the consumer "crashed": no ACK
+        time.sleep(0.5)  # the consumer "crashed" (no ACK) and the lease times out: what is tested
         second = client.get(2, wait_ms=2000)
         assert [t.traj_id for t in second.trajs] == [t.traj_id for t in first.trajs]
         assert client.stats()[0].stats["redelivered"] == 2
@@ -189,9 +177,8 @@ def test_full_shard_slows_the_producer_until_space_frees(shard_factory):
         done = {}
         t = threading.Thread(target=lambda: done.setdefault("r", producer.put(group("b"))))
         t.start()
-        time.sleep(0.3)
+        wait_until(lambda: consumer.stats()[0].stats["refused_full"] >= 2, 10, "the PUT refused twice (FULL)")
         assert "r" not in done  # waiting out backpressure, not failing, not growing the shard
-        assert producer.stats()[0].stats["refused_full"] >= 2
         consumer.ack(consumer.get(2))
         t.join(timeout=10)
         assert done["r"].accepted == 2 and producer.backpressure_s > 0

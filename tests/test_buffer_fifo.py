@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 import pytest
 import zmq
+from helpers.groups import make_group
+from helpers.wire import RawPeer
 
 from sluice.buffer.client import BufferClient, BufferError
 from sluice.buffer.stores.fifo import FifoStore, GroupIncomplete, ShardFull
@@ -16,17 +17,7 @@ TRANSPORTS = ["zmq", "shm"]  # every shard test runs over both (tests/conftest.p
 
 
 def group(gid: str, version: int, size: int = 2, nbytes: int = 16) -> list[Trajectory]:
-    return [
-        Trajectory(
-            traj_id=f"{gid}/{j}",
-            group_id=gid,
-            version=version,
-            group_size=size,
-            reward=float(j),
-            arrays={"x": np.full(nbytes // 4, j, dtype=np.int32)},
-        )
-        for j in range(size)
-    ]
+    return make_group(gid, size, version, nbytes)
 
 
 def put(store: FifoStore, trajs: list[Trajectory]) -> tuple[int, int]:
@@ -160,14 +151,6 @@ def test_full_shard_pushes_back(shard_factory):
         assert client.backpressure_s > 0
 
 
-def _raw_request(sock: zmq.Socket, frames: list[bytes]) -> dict:
-    sock.send_multipart([b"", *frames])
-    assert sock.poll(5000), "no reply"
-    reply = sock.recv_multipart()
-    assert reply[0] == b""
-    return msgspec.msgpack.decode(reply[1])
-
-
 @pytest.mark.parametrize(
     "frames,code,needle",
     [
@@ -223,17 +206,15 @@ def test_bad_messages_get_error_replies_and_the_server_keeps_serving(
     shard_factory, zmq_ctx, frames, code, needle
 ):
     shard = shard_factory()
-    sock = zmq_ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(shard.endpoint)
-    reply = _raw_request(sock, frames)
-    assert reply["ok"] is False and reply["op"] == "ERROR"
-    assert reply["code"] == code, reply
-    assert needle in reply["message"], reply
-    # still serving, and the good request after it works
-    pong = _raw_request(sock, [msgspec.msgpack.encode({"proto": 1, "op": "PING", "id": 6})])
-    assert pong["ok"] is True and pong["id"] == 6
-    sock.close()
+    with RawPeer(zmq_ctx, shard.endpoint) as peer:
+        reply = peer.ask(frames)
+        assert reply is not None, "no reply"
+        assert reply["ok"] is False and reply["op"] == "ERROR"
+        assert reply["code"] == code, reply
+        assert needle in reply["message"], reply
+        # still serving, and the good request after it works
+        pong = peer.request({"proto": 1, "op": "PING", "id": 6})
+        assert pong["ok"] is True and pong["id"] == 6
 
 
 def test_req_socket_clients_work_too(shard_factory, zmq_ctx):

@@ -8,7 +8,7 @@ import io
 
 import msgspec
 import pytest
-import zmq
+from helpers.wire import RawPeer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -83,26 +83,10 @@ META_WRONG = {
 }
 
 
-class Peer:
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def ask(self, frames: list[bytes], timeout_ms: int = 5000) -> dict | None:
-        self.sock.send_multipart([b"", *frames])
-        if not self.sock.poll(timeout_ms):
-            return None
-        reply = self.sock.recv_multipart()
-        assert reply[0] == b""
-        return msgspec.msgpack.decode(reply[1])
-
+class Peer(RawPeer):
     def assert_serving(self) -> None:
-        pong = self.ask([msgspec.msgpack.encode({"proto": 1, "op": "PING", "id": 99})])
+        pong = self.request({"proto": 1, "op": "PING", "id": 99})
         assert pong == {"proto": 1, "op": "PING", "id": 99, "ok": True}
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture(params=["fifo", "replay"])

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.groups import make_group
 
 from sluice.buffer.client import BufferClient, BufferError, SampleRef
 from sluice.buffer.log_records import PREFIX
@@ -20,16 +21,8 @@ TRANSPORTS = ["zmq", "shm"]  # every shard test runs over both (tests/conftest.p
 
 
 def group(gid: str, version: int = 0, size: int = 2, nbytes: int = 64) -> list[Trajectory]:
-    return [
-        Trajectory(
-            traj_id=f"{gid}/{j}",
-            group_id=gid,
-            version=version,
-            group_size=size,
-            arrays={"x": np.arange(nbytes // 4, dtype=np.int32) + j, "m": np.ones(3, dtype=np.bool_)},
-        )
-        for j in range(size)
-    ]
+    """x = j, j+1, ... (bytes moved or reordered show) and a second array, of another dtype."""
+    return make_group(gid, size, version, nbytes, ramp=True, extra={"m": np.ones(3, dtype=np.bool_)})
 
 
 def ids(trajs) -> list[str]:
@@ -192,7 +185,7 @@ def test_fsync_policies(tmp_path, policy):
         store.commit_put(prepared)
         log.commit()  # what the server does before sending replies
     after_commits = log.counters["fsyncs"]
-    time.sleep(0.06)
+    time.sleep(0.06)  # the fsync interval (50 ms) passes: what the policies are about
     log.tick(time.monotonic(), 0, None)
     after_tick = log.counters["fsyncs"]
     log.close()

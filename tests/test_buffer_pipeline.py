@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 import pytest
+from helpers.groups import make_group
+from helpers.wait import wait_until
 
 from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.trajectory import Trajectory
@@ -16,17 +18,9 @@ from sluice.trajectory import Trajectory
 TRANSPORTS = ["zmq", "shm"]
 
 
-def group(gid: str, size: int = 2, nbytes: int = 8 << 10) -> list[Trajectory]:
-    return [
-        Trajectory(
-            traj_id=f"{gid}/{j}",
-            group_id=gid,
-            version=0,
-            group_size=size,
-            arrays={"x": np.full(nbytes, hash(gid) % 251, dtype=np.uint8)},
-        )
-        for j in range(size)
-    ]
+def group(gid: str, size: int = 2) -> list[Trajectory]:
+    """8 KiB per trajectory, every byte a function of the group id (checked by `drain`)."""
+    return make_group(gid, size, nbytes=8 << 10, dtype=np.uint8, fill=hash(gid) % 251)
 
 
 def drain(client: BufferClient) -> list[str]:
@@ -90,7 +84,7 @@ def test_a_pipelined_put_that_fails_is_retried_until_stored(shard_factory):
                 got.extend(t.traj_id for t in batch.trajs)
                 if batch.trajs:
                     consumer.ack(batch)
-                time.sleep(0.01)
+                time.sleep(0.01)  # a slow consumer: the shard stays full for a while (the scenario)
 
     reader = threading.Thread(target=consume, daemon=True)
     reader.start()
@@ -100,9 +94,7 @@ def test_a_pipelined_put_that_fails_is_retried_until_stored(shard_factory):
                 for i in range(0, len(sent), 4):
                     pipe.put(sent[i : i + 4])  # waits out FULL replies (retried synchronously)
             assert producer.backpressure_s > 0  # (it was full)
-        deadline = time.monotonic() + 30
-        while len(got) < len(sent) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len(got) >= len(sent), 30, lambda: f"every trajectory consumed (got {len(got)})")
     finally:
         stop.set()
         reader.join(timeout=10)

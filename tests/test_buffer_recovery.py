@@ -3,21 +3,22 @@ delivered exactly once (ids and count checked), over ZeroMQ and over the same-ho
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
+from helpers.groups import make_group
+from helpers.procs import start
+from helpers.wait import wait_until
 
 from sluice.buffer.client import BufferClient, BufferError, BufferTimeout
-from sluice.net import free_port
 from sluice.trajectory import Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,38 +27,33 @@ GROUP_SIZE = 2
 
 
 def group(i: int) -> list[Trajectory]:
-    return [
-        Trajectory(
-            traj_id=f"g{i}/{j}",
-            group_id=f"g{i}",
-            version=0,
-            group_size=GROUP_SIZE,
-            arrays={"x": np.full(512, i, dtype=np.int32)},
-        )
-        for j in range(GROUP_SIZE)
-    ]
+    return make_group(f"g{i}", GROUP_SIZE, nbytes=2048, fill=i)
 
 
 def start_shard(config: Path, log: Path, reaper: list) -> subprocess.Popen:
     with log.open("ab") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "buffer", str(config), "--shard", "0"],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    reaper.append(proc)
-    return proc
+        return start(["-m", "sluice.cli", "buffer", str(config), "--shard", "0"], reaper, stdout=fh)
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+def write_config(config: Path, endpoint: str, transport: str) -> None:
+    buffer = {
+        "endpoints": [endpoint],
+        "lease_timeout_s": 30,
+        "fsync": "none",
+        **TRANSPORT_SETTINGS[transport],
+    }
+    config.write_text(yaml.safe_dump({"run": {"dir": str(config.parent / "run")}, "buffer": buffer}))
+
+
+def bound_endpoint(config: Path, shard: subprocess.Popen, log: Path) -> str:
+    """The address the shard process bound (it binds `host:*` and records what it got)."""
+    record = config.parent / "run" / "endpoints" / "buffer-0.json"
+
+    def alive() -> None:
+        assert shard.poll() is None, log.read_text()[-2000:]
+
+    wait_until(record.exists, 60, "the shard's endpoint record", check=alive)
+    return json.loads(record.read_text())["endpoint"]
 
 
 TRANSPORT_SETTINGS = {
@@ -75,17 +71,12 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
 ):
     """`pipelined`: the producer keeps PUTs in flight (PutPipeline: some are when the shard
     dies) and the consumer ACKs each batch with its next GET."""
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
     config = tmp_path / "config.yaml"
-    buffer = {
-        "endpoints": [endpoint],
-        "lease_timeout_s": 30,
-        "fsync": "none",
-        **TRANSPORT_SETTINGS[transport],
-    }
-    config.write_text(yaml.safe_dump({"run": {"dir": str(tmp_path / "run")}, "buffer": buffer}))
+    write_config(config, "tcp://127.0.0.1:*", transport)
     log = tmp_path / "shard.log"
     shard = start_shard(config, log, process_reaper)
+    endpoint = bound_endpoint(config, shard, log)
+    write_config(config, endpoint, transport)  # the restarted shard binds the same address
 
     put_acked: list[str] = []  # ids whose PUT the shard acknowledged
     delivered: list[str] = []  # ids whose lease the consumer ACKed successfully
@@ -104,7 +95,7 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
                         pipe.put(trajs)  # answered later; failures retried (pinned) until stored
                         sent.extend(t.traj_id for t in trajs)
                         sent_count[0] = len(sent)
-                        time.sleep(0.003)
+                        time.sleep(0.003)  # a paced stream: the kill lands in the middle of it
                 put_acked.extend(sent)  # (the pipeline's flush: every PUT was answered)
             else:
                 for i in range(N_GROUPS):
@@ -112,7 +103,7 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
                     client.put(trajs)  # retries across the crash; raises only when giving up
                     put_acked.extend(t.traj_id for t in trajs)
                     sent_count[0] = len(put_acked)
-                    time.sleep(0.003)
+                    time.sleep(0.003)  # a paced stream: the kill lands in the middle of it
             shared["put_bytes"] = client.shared_put_bytes
 
     def consume() -> None:
@@ -157,16 +148,18 @@ def test_kill_9_mid_stream_then_every_acknowledged_trajectory_is_delivered_once(
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: sent_count[0] >= N_GROUPS * GROUP_SIZE // 3 and delivered, 120, "traffic")
+        wait_until(lambda: sent_count[0] >= N_GROUPS * GROUP_SIZE // 3 and delivered, 120, "traffic")
         assert sent_count[0] < N_GROUPS * GROUP_SIZE, "the stream ended before the kill"
         os.kill(shard.pid, signal.SIGKILL)
         assert shard.wait(timeout=10) == -signal.SIGKILL
-        time.sleep(0.5)  # both sides run into the dead shard meanwhile
+        time.sleep(0.5)  # the shard stays down a while: both sides run into it (the scenario)
         start_shard(config, log, process_reaper)
         threads[0].join(timeout=180)
         assert not threads[0].is_alive(), "producer did not finish"
-        wait_for(lambda: len(delivered) >= len(put_acked) or failures, 120, "every acknowledged id to arrive")
-        time.sleep(0.5)  # anything delivered twice would show up now
+        wait_until(
+            lambda: len(delivered) >= len(put_acked) or failures, 120, "every acknowledged id to arrive"
+        )
+        time.sleep(0.5)  # no event to wait for: a trajectory delivered twice would show up by now
     finally:
         stop.set()
         threads[1].join(timeout=30)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import pytest
-import zmq
+from helpers.groups import make_group
+from helpers.wire import raw_request
 
 from sluice.buffer.client import BufferClient, BufferError, SampleRef, shard_of
 from sluice.buffer.stores.replay import ReplayStore, importance_weights
@@ -22,16 +22,7 @@ CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32}
 
 
 def group(gid: str, version: int = 0, size: int = 1, nbytes: int = 16) -> list[Trajectory]:
-    return [
-        Trajectory(
-            traj_id=f"{gid}/{j}",
-            group_id=gid,
-            version=version,
-            group_size=size,
-            arrays={"x": np.full(nbytes // 4, j, dtype=np.int32)},
-        )
-        for j in range(size)
-    ]
+    return make_group(gid, size, version, nbytes)
 
 
 def put(store: ReplayStore, trajs: list[Trajectory]) -> tuple[int, int]:
@@ -262,25 +253,14 @@ def test_sample_drops_stale_and_wait_returns_empty(shard_factory):
         assert stats.stats["dropped_stale"] == 2 and stats.versions == {"5": 2}
 
 
-def _raw(zmq_ctx, endpoint: str, header: dict) -> dict:
-    sock = zmq_ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    sock.send_multipart([b"", msgspec.msgpack.encode(header)])
-    assert sock.poll(5000), "no reply"
-    reply = msgspec.msgpack.decode(sock.recv_multipart()[1])
-    sock.close()
-    return reply
-
-
 def test_ops_of_the_other_mode_are_refused(shard_factory, zmq_ctx):
     replay = _replay_shard(shard_factory)
     fifo = shard_factory()
-    reply = _raw(zmq_ctx, replay.endpoint, {"proto": 1, "op": "GET", "id": 1, "max_trajs": 1})
+    reply = raw_request(zmq_ctx, replay.endpoint, {"proto": 1, "op": "GET", "id": 1, "max_trajs": 1})
     assert reply["code"] == "WRONG_MODE" and "replay" in reply["message"]
-    reply = _raw(zmq_ctx, fifo.endpoint, {"proto": 1, "op": "SAMPLE", "id": 2, "n": 1})
+    reply = raw_request(zmq_ctx, fifo.endpoint, {"proto": 1, "op": "SAMPLE", "id": 2, "n": 1})
     assert reply["code"] == "WRONG_MODE" and "fifo" in reply["message"]
-    reply = _raw(
+    reply = raw_request(
         zmq_ctx, fifo.endpoint, {"proto": 1, "op": "PRIORITY", "id": 3, "keys": [], "priorities": []}
     )
     assert reply["code"] == "WRONG_MODE"
@@ -300,7 +280,7 @@ def test_ops_of_the_other_mode_are_refused(shard_factory, zmq_ctx):
 )
 def test_bad_sample_requests(shard_factory, zmq_ctx, header, code, needle):
     shard = _replay_shard(shard_factory)
-    reply = _raw(zmq_ctx, shard.endpoint, {"proto": 1, "op": "SAMPLE", "id": 7, **header})
+    reply = raw_request(zmq_ctx, shard.endpoint, {"proto": 1, "op": "SAMPLE", "id": 7, **header})
     assert reply["code"] == code and needle in reply["message"] and reply["id"] == 7
 
 
@@ -311,5 +291,5 @@ def test_bad_sample_requests(shard_factory, zmq_ctx, header, code, needle):
 def test_bad_priority_requests(shard_factory, zmq_ctx, keys, priorities, needle):
     shard = _replay_shard(shard_factory, sampling="prioritized")
     header = {"proto": 1, "op": "PRIORITY", "id": 8, "keys": keys, "priorities": priorities}
-    reply = _raw(zmq_ctx, shard.endpoint, header)
+    reply = raw_request(zmq_ctx, shard.endpoint, header)
     assert reply["code"] == "BAD_HEADER" and needle in reply["message"]

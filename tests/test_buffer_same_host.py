@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.groups import group_of, make_group
+from helpers.wait import wait_until
 
 from sluice.buffer import same_host
 from sluice.buffer.client import BufferClient, BufferError
@@ -36,7 +37,7 @@ def rich_group(gid: str, size: int, seed: int, version: int = 0) -> list[Traject
     arbitrary bit patterns (NaNs included) in the float arrays."""
     rng = np.random.default_rng(seed)
     out = []
-    for j in range(size):
+    for _ in range(size):
         arrays = {}
         for k, dtype in enumerate(DTYPES):
             n = int(rng.integers(0, 3000))
@@ -44,33 +45,14 @@ def rich_group(gid: str, size: int, seed: int, version: int = 0) -> list[Traject
             arrays[f"a{k}"] = raw.view(dtype) if dtype != "bool" else raw.astype(bool)
         arrays["cube"] = rng.standard_normal((3, 4, 5)).astype(np.float32)
         arrays["empty"] = np.zeros((0, 7), dtype=np.int32)
-        out.append(
-            Trajectory(
-                traj_id=f"{gid}/{j}",
-                group_id=gid,
-                version=version,
-                group_size=size,
-                reward=float(j),
-                info={"j": j},
-                arrays=arrays,
-            )
-        )
-    return out
+        out.append(arrays)
+    return group_of(gid, out, version, info=True)
 
 
 def big_group(gid: str, nbytes: int = 16 << 10, size: int = 1, fill: int | None = None) -> list[Trajectory]:
-    return [
-        Trajectory(
-            traj_id=f"{gid}/{j}",
-            group_id=gid,
-            version=0,
-            group_size=size,
-            arrays={
-                "x": np.full(nbytes, (fill if fill is not None else hash(gid) + j) % 251, dtype=np.uint8)
-            },
-        )
-        for j in range(size)
-    ]
+    """One byte value throughout (`fill`, default a function of the group id)."""
+    fill = hash(gid) % 251 if fill is None else fill % 251
+    return make_group(gid, size, nbytes=nbytes, dtype=np.uint8, fill=fill)
 
 
 def assert_identical(got: list[Trajectory], sent: list[Trajectory], every: bool = True) -> None:
@@ -291,10 +273,11 @@ def test_a_producer_killed_mid_write_never_yields_a_corrupt_trajectory(shard_fac
         stats = client.stats()[0].stats
         assert stats["reservations"] == 1 and stats["held"] == 0  # reserved, never stored
         client.put(good)
-        deadline = time.monotonic() + 10
-        while client.stats()[0].stats["reservations_expired"] < 1:
-            assert time.monotonic() < deadline, "the dead producer's reservation never expired"
-            time.sleep(0.05)
+        wait_until(
+            lambda: client.stats()[0].stats["reservations_expired"] >= 1,
+            10,
+            "the dead producer's reservation expired",
+        )
         segment = shard.server.log.active
         assert segment in shard.server.log.tainted  # its file will be deleted, never reused
         batch = client.get(100)

@@ -8,10 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
+from helpers.procs import start
+from helpers.wait import running, wait_until
 
 from sluice.buffer.client import BufferClient
 from sluice.net import free_port
@@ -96,29 +97,22 @@ def test_status_of_a_run_that_is_not_up(tmp_path):
 
 def test_role_process_from_env_serves_and_stops_cleanly_on_sigterm(tmp_path, process_reaper):
     """What systemd, Slurm or Kubernetes do: config file + environment, then SIGTERM."""
-    port = free_port()
-    endpoint = f"tcp://127.0.0.1:{port}"
-    env = {
-        **os.environ,
-        "SLUICE__RUN__DIR": str(tmp_path),
-        "SLUICE__BUFFER__ENDPOINTS": json.dumps([endpoint]),
-        "SLUICE_INDEX": "0",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "buffer", QUICKSTART],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    proc = start(
+        ["-m", "sluice.cli", "buffer", QUICKSTART],
+        process_reaper,
+        SLUICE__RUN__DIR=str(tmp_path),
+        SLUICE__BUFFER__ENDPOINTS=json.dumps(["tcp://127.0.0.1:*"]),  # binds a free port, records it
+        SLUICE_INDEX="0",
     )
-    process_reaper.append(proc)
-    with BufferClient([endpoint], timeout_s=2) as client:
-        deadline = time.monotonic() + 60
-        while not client.ping(timeout_s=1.0):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
-    record = json.loads((tmp_path / "endpoints" / "buffer-0.json").read_text())
+    path = tmp_path / "endpoints" / "buffer-0.json"
+    alive = running({"sluice buffer": proc}, lambda _: proc.stdout.read().decode()[-2000:])
+    wait_until(path.exists, 60, "the shard's endpoint record", check=alive)
+    record = json.loads(path.read_text())
     assert record["pid"] == proc.pid and record["metrics_port"] > 0
+    endpoint = record["endpoint"]
+    port = int(endpoint.rsplit(":", 1)[1])
+    with BufferClient([endpoint], timeout_s=2) as client:
+        wait_until(lambda: client.ping(timeout_s=1.0), 60, "the shard answering", interval_s=0, check=alive)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     with socket.socket() as s:  # the shard's port is free again

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import threading
-import time
 
-import msgspec
 import pytest
 import zmq
+from helpers.wait import wait_until
+from helpers.wire import raw_request
 
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.client import ControlClient
 from sluice.control.server import ControlServer
-from sluice.net import free_port
 from sluice.rpc import RpcError
 
 
@@ -46,19 +45,8 @@ def test_admitted_samples_are_never_too_stale_when_consumed_fifo():
     assert version > 20
 
 
-@pytest.fixture
-def control():
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = ControlServer(endpoint, AdmissionPolicy(batch_size=8, max_staleness=0), ctx=zmq.Context())
-    server.start()
-    client = ControlClient(endpoint, timeout_s=5)
-    yield server, client, endpoint
-    client.close()
-    server.close()
-
-
-def test_control_server_round_trip(control):
-    server, client, _ = control
+def test_control_server_round_trip(control):  # (the fixture: tests/conftest.py)
+    server, client = control
     assert client.admit("rollout-0", 8, 4).granted == 8
     reply = client.admit("rollout-0", 8, 4)
     assert reply.granted == 0 and reply.retry_after_ms > 0
@@ -74,21 +62,13 @@ def test_control_server_round_trip(control):
     assert status.admission["started"] == 16
 
 
-def test_control_server_rejects_bad_input_and_keeps_serving(control):
-    _, client, endpoint = control
+def test_control_server_rejects_bad_input_and_keeps_serving(control, zmq_ctx):
+    server, client = control
     with pytest.raises(RpcError) as e:
         client.admit("rollout-0", 0, 4)
     assert e.value.code == "BAD_HEADER" and "n=0" in e.value.message
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    sock.send_multipart([b"", msgspec.msgpack.encode({"proto": 1, "op": "ADMIT", "id": 9, "n": "lots"})])
-    assert sock.poll(5000)
-    reply = msgspec.msgpack.decode(sock.recv_multipart()[1])
+    reply = raw_request(zmq_ctx, server.endpoint, {"proto": 1, "op": "ADMIT", "id": 9, "n": "lots"})
     assert reply["code"] == "BAD_HEADER" and reply["id"] == 9
-    sock.close()
-    ctx.term()
     assert client.status().ok
 
 
@@ -103,23 +83,26 @@ def test_dropped_samples_release_their_quota():
 
 
 def test_a_silent_service_is_forgotten_and_its_undelivered_quota_released():
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
     server = ControlServer(
-        endpoint, AdmissionPolicy(batch_size=8, max_staleness=1), service_timeout_s=0.5, ctx=zmq.Context()
+        "tcp://127.0.0.1:*",
+        AdmissionPolicy(batch_size=8, max_staleness=1),
+        service_timeout_s=0.5,
+        ctx=zmq.Context(),
     )
     server.start()
+    endpoint = server.endpoint
     gone, alive = ControlClient(endpoint, timeout_s=5), ControlClient(endpoint, timeout_s=5)
     try:
         assert gone.admit("rollout-0.aaaa", 12, 4).granted == 12
         gone.heartbeat("rollout-0.aaaa", "rollout", {}, delivered=4)  # then it is killed
         assert alive.admit("rollout-1.bbbb", 8, 4).granted == 4  # quota 16 is used up
-        deadline = time.monotonic() + 10
-        while True:
+
+        def gone_noticed():  # (the survivor keeps heartbeating meanwhile)
             alive.heartbeat("rollout-1.bbbb", "rollout", {}, delivered=0)
             status = alive.status()
-            if status.admission["services_gone"] >= 1 or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+            return status if status.admission["services_gone"] >= 1 else None
+
+        status = wait_until(gone_noticed, 10, "the silent service forgotten", interval_s=0.1)
         assert status.admission["services_gone"] == 1
         assert status.admission["released_gone"] == 8  # admitted 12, delivered 4
         assert status.admission["started"] == 8
@@ -148,16 +131,13 @@ def _admit_in_thread(endpoint: str, service: str, wait_ms: int) -> tuple[threadi
 
 
 def _wait_parked(server: ControlServer, n: int) -> None:
-    deadline = time.monotonic() + 10
-    while len(server._parked) < n:
-        assert time.monotonic() < deadline, "ADMIT never parked"
-        time.sleep(0.005)
+    wait_until(lambda: len(server._parked) >= n, 10, f"{n} ADMIT(s) parked", interval_s=0.005)
 
 
 def test_long_polled_admit_is_answered_when_the_learner_publishes(control):
-    server, client, endpoint = control
+    server, client = control
     assert client.admit("rollout-0", 8, 4).granted == 8  # quota (8) used up
-    thread, out = _admit_in_thread(endpoint, "rollout-0", wait_ms=60_000)
+    thread, out = _admit_in_thread(server.endpoint, "rollout-0", wait_ms=60_000)
     _wait_parked(server, 1)
     assert not out  # no answer while there is no room
     server.set_published(1)  # from this (the learner's) thread: wakes the server
@@ -166,18 +146,18 @@ def test_long_polled_admit_is_answered_when_the_learner_publishes(control):
 
 
 def test_long_polled_admit_times_out_with_nothing_granted(control):
-    _, client, _ = control
+    _, client = control
     assert client.admit("rollout-0", 8, 4).granted == 8
     reply = client.admit("rollout-0", 8, 4, wait_ms=50)
     assert reply.granted == 0 and reply.retry_after_ms == 0  # waited at the server: ask again now
 
 
 def test_long_polled_admits_are_served_in_arrival_order_and_woken_by_refunds(control):
-    server, client, endpoint = control
+    server, client = control
     assert client.admit("rollout-0", 8, 4).granted == 8
-    first, out_first = _admit_in_thread(endpoint, "rollout-1", wait_ms=60_000)
+    first, out_first = _admit_in_thread(server.endpoint, "rollout-1", wait_ms=60_000)
     _wait_parked(server, 1)
-    second, out_second = _admit_in_thread(endpoint, "rollout-2", wait_ms=60_000)
+    second, out_second = _admit_in_thread(server.endpoint, "rollout-2", wait_ms=60_000)
     _wait_parked(server, 2)
     client.refund("rollout-0", 4)  # one group's room: the first waiter's
     first.join(timeout=10)
@@ -188,13 +168,14 @@ def test_long_polled_admits_are_served_in_arrival_order_and_woken_by_refunds(con
 
 
 def test_closing_answers_parked_admits():
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = ControlServer(endpoint, AdmissionPolicy(batch_size=4, max_staleness=0), ctx=zmq.Context())
+    server = ControlServer(
+        "tcp://127.0.0.1:*", AdmissionPolicy(batch_size=4, max_staleness=0), ctx=zmq.Context()
+    )
     server.start()
-    client = ControlClient(endpoint, timeout_s=5)
+    client = ControlClient(server.endpoint, timeout_s=5)
     try:
         assert client.admit("rollout-0", 4, 4).granted == 4
-        thread, out = _admit_in_thread(endpoint, "rollout-1", wait_ms=60_000)
+        thread, out = _admit_in_thread(server.endpoint, "rollout-1", wait_ms=60_000)
         _wait_parked(server, 1)
     finally:
         client.close()

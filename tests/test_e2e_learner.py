@@ -4,7 +4,7 @@ one run, and a DeepSpeed ZeRO-2 learner group of 2 ranks training the quickstart
 from __future__ import annotations
 
 import pytest
-from sluice_runs import sluice_run
+from helpers.runs import sluice_run
 
 from sluice.metrics import read_jsonl
 

@@ -6,12 +6,12 @@ import json
 import os
 import signal
 import socket
-import time
 from pathlib import Path
 
 import psutil
 import pytest
-from sluice_runs import learner_steps, sluice_run, start_run, wait_until
+from helpers import wait
+from helpers.runs import learner_steps, sluice_run, start_run, wait_until
 
 from sluice.metrics import read_jsonl
 
@@ -112,10 +112,13 @@ def test_killed_rollout_is_restarted_then_ctrl_c_stops_every_role_and_frees_port
     os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends to the launcher
     proc.wait(timeout=60)
     assert proc.returncode == 130
-    time.sleep(0.5)
-    assert not [
-        pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    ]
+
+    def survivors() -> list[int]:
+        return [
+            p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        ]
+
+    wait.wait_until(lambda: not survivors(), 5, lambda: f"every role gone (alive: {survivors()})")
     assert all(port_is_free(p) for p in run_ports(run_dir))
 
 

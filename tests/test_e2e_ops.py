@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers.runs import ROOT, start_run, wait_for_steps
+from helpers.wait import wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from sluice_runs import ROOT, start_run, wait_for_steps
 
 from sluice.security import generate_keys
 
@@ -72,14 +72,13 @@ def test_secure_run_serves_metrics_and_status_and_writes_plots(tmp_path, process
 
     # `sluice status` (a CURVE client with the run's keys) shows live numbers; a rollout reports
     # its rate in the first heartbeat after it has generated (a slow starter may not have yet)
-    deadline = time.monotonic() + 60
-    while True:
-        first = status_json(run_dir)
-        rows = {r["role"]: r for r in first["rows"]}
+    def with_rates() -> tuple[dict, dict] | None:
+        status = status_json(run_dir)
+        rows = {r["role"]: r for r in status["rows"]}
         rates = [rows.get(f"rollout-{i}", {}).get("samples_per_s") for i in (0, 1)]
-        if all(rate is not None for rate in rates) or time.monotonic() > deadline:
-            break
-        time.sleep(1.0)
+        return (status, rows) if all(rate is not None for rate in rates) else None
+
+    first, rows = wait_until(with_rates, 60, "both rollouts' rates in `sluice status`", interval_s=1.0)
     assert all(r["state"] == "ok" for r in rows.values()), rows
     assert rows["learner"]["version"] >= 5 and rows["learner"]["samples_per_s"] > 0
     assert rows["buffer-0"]["fill"] is not None

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from sluice_runs import ROOT, sluice_run
+from helpers.runs import ROOT, sluice_run
 
 from sluice.metrics import read_jsonl
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from recompute import max_logprob_error
+from helpers.engines import max_logprob_error, poll_after, two_versions
 
 from sluice.config.model import ModelConfig
-from sluice.modeling import load_policy, materialize_model_dir
+from sluice.modeling import materialize_model_dir
 from sluice.rollout_svc.engines.base import SamplingParams, WeightUpdate
 from sluice.rollout_svc.engines.hf import HFEngine
 
@@ -19,24 +18,7 @@ TEMPERATURE = 0.8
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     model_dir = materialize_model_dir(ModelConfig(), tmp_path_factory.mktemp("model"))
-    model, tok = load_policy(model_dir)
-    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
-    gen = torch.Generator().manual_seed(0)
-    w1 = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in w0.items()}
-    prompts = [[tok.bos_token_id, 5, 6, 7, 14], [tok.bos_token_id, 9, 14]]
-    return model_dir, model, tok, w0, w1, prompts
-
-
-def poll_after(calls: int, update: WeightUpdate):
-    """An interrupt source that delivers `update` at its `calls`-th poll (after that many
-    decode steps), like a receiver whose new version lands mid-generation."""
-    count = {"n": 0}
-
-    def poll():
-        count["n"] += 1
-        return update if count["n"] == calls else None
-
-    return poll
+    return model_dir, *two_versions(model_dir)
 
 
 def test_continue_records_version_spans_and_logprobs_per_span(setup):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers.procs import child_env
 from safetensors.torch import load_file
 
 from sluice.net import free_port
@@ -50,7 +50,7 @@ def run_group(tmp: Path, name: str, ranks: int, **learner) -> tuple[dict, list]:
     port = free_port()
     procs = []
     for rank in range(ranks):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = child_env(OMP_NUM_THREADS="1")
         if ranks > 1:
             env.update(
                 RANK=str(rank),

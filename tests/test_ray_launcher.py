@@ -13,7 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from sluice_runs import HF_ENGINE
+from helpers.runs import HF_ENGINE
+from helpers.wait import running, wait_until
 
 from sluice.metrics import read_jsonl
 
@@ -72,7 +73,7 @@ def test_ray_run_trains_with_every_role_a_separate_ray_process(tmp_path, process
     while proc.poll() is None:
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         seen |= descendants(proc.pid)  # Ray's own processes and the role actors
-        time.sleep(0.5)
+        time.sleep(0.5)  # sampling the process tree while the run lasts (not a wait)
     output = log.read_text()
     assert proc.returncode == 0, output[-4000:]
 
@@ -110,24 +111,25 @@ def test_killed_rollout_is_restarted_and_training_continues(tmp_path, process_re
         run_dir, log, "learner.total_steps=60", "weight_sync.timeout_s=20", "rollout.max_restarts=2"
     )
     process_reaper.append(proc)
-    deadline = time.monotonic() + 300
-    while len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) < 5:
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
+    alive = running({"sluice ray": proc}, lambda _: log.read_text()[-3000:])
+
+    def steps() -> list[dict]:
+        return read_jsonl(run_dir / "metrics" / "learner.jsonl")
+
+    wait_until(lambda: len(steps()) >= 5, 300, "5 learner steps", interval_s=0.5, check=alive)
     victim = json.loads((run_dir / "endpoints" / "rollout-0.json").read_text())["pid"]
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
-    done_at_kill = len(read_jsonl(run_dir / "metrics" / "learner.jsonl"))
-    while not events(run_dir, "restarted"):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.5)
-    restarted = events(run_dir, "restarted")[0]
+    done_at_kill = len(steps())
+    restarted = wait_until(
+        lambda: events(run_dir, "restarted"), 300, "the restart", interval_s=0.5, check=alive
+    )[0]
     assert restarted["role"] == "rollout-0" and restarted["pid"] != victim
     assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
-    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
-    assert [s["version"] for s in steps] == list(range(1, 61))
+    versions = [s["version"] for s in steps()]
+    assert versions == list(range(1, 61))
     # training went on after the kill: every step not yet written when it died (one in flight)
-    assert sum(s["time"] > killed_at for s in steps) >= 60 - done_at_kill - 1
+    assert sum(s["time"] > killed_at for s in steps()) >= 60 - done_at_kill - 1
     # the replacement generated with current weights after it joined
     fresh = [r for r in read_jsonl(run_dir / "metrics" / "rollout-0.jsonl") if r["time"] > restarted["time"]]
     assert fresh and max(r["version"] for r in fresh) > 5

@@ -11,13 +11,14 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from helpers.groups import group_of
+from helpers.procs import start
+from helpers.wait import running, wait_until
 
 from sluice.buffer.client import BufferClient, LeasedBatch
 from sluice.learner.leases import LeaseLedger
@@ -30,47 +31,37 @@ BATCH, GROUP = 16, 4
 
 
 def groups(start: int, n: int) -> list[Trajectory]:
+    """Groups g<start> .. g<start+n-1> of GROUP LLM samples (random completions and rewards)."""
     g = np.random.default_rng(start)
     out = []
+    prompt = np.asarray([1, 5, 6], np.int32)
     for k in range(start, start + n):
-        for j in range(GROUP):
-            c = g.integers(3, 13, size=int(g.integers(1, 6))).astype(np.int32)
-            out.append(
-                Trajectory(
-                    traj_id=f"g{k}/{j}",
-                    group_id=f"g{k}",
-                    version=0,
-                    group_size=GROUP,
-                    reward=float(g.random()),
-                    arrays={
-                        "prompt_ids": np.asarray([1, 5, 6], np.int32),
-                        "completion_ids": c,
-                        "behaviour_logprobs": np.full(len(c), -1.0, np.float32),
-                    },
-                )
-            )
+        completions = [g.integers(3, 13, size=int(g.integers(1, 6))).astype(np.int32) for _ in range(GROUP)]
+        arrays = [
+            {
+                "prompt_ids": prompt,
+                "completion_ids": c,
+                "behaviour_logprobs": np.full(len(c), -1.0, np.float32),
+            }
+            for c in completions
+        ]
+        out += group_of(f"g{k}", arrays, rewards=g.random(GROUP).tolist())
     return out
 
 
-def start_learner(config: Path, log: Path, *overrides: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+def start_learner(config: Path, log: Path, reaper: list) -> subprocess.Popen:
     with log.open("ab") as fh:
-        return subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "learner", str(config), *overrides],
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
+        return start(["-m", "sluice.cli", "learner", str(config)], reaper, stdout=fh, OMP_NUM_THREADS="1")
 
 
-def wait_for(predicate, proc: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "timed out; learner log:\n" + log.read_text()[-3000:]
-        time.sleep(0.2)
+def wait_for(predicate, proc: subprocess.Popen, log: Path, what: str, timeout: float = 180.0) -> None:
+    """Poll `predicate` while the learner lives; its log's end on failure."""
+
+    def tail(*_: str) -> str:
+        return "learner log:\n" + log.read_text()[-3000:]
+
+    check = running({"learner": proc}, tail)
+    wait_until(predicate, timeout, lambda: f"{what}; {tail()}", interval_s=0.2, check=check)
 
 
 @pytest.mark.slow
@@ -108,25 +99,28 @@ def test_kill_9_and_resume_loses_nothing_and_trains_nothing_twice(tmp_path, shar
     log = tmp_path / "learner.log"
     metrics = run_dir / "metrics" / "learner.jsonl"
 
-    first = start_learner(config, log)
-    process_reaper.append(first)
+    first = start_learner(config, log, process_reaper)
     wait_for(
         lambda: len(read_jsonl(metrics)) >= 8 and (run_dir / "checkpoints" / "step_000006").is_dir(),
         first,
         log,
+        "8 learner steps and the checkpoint of step 6",
     )
-    time.sleep(1.0)  # step 9's partial batch is leased by the prefetcher by now
+    # steps 7 and 8 trained but not ACKed (their checkpoint would have been 9), and step 9's
+    # partial batch leased by the prefetcher
+
+    def leased() -> bool:
+        return client.stats()[0].stats["leased"] == 2 * BATCH + 2 * GROUP
+
+    wait_for(leased, first, log, "steps 7, 8 and the partial batch of step 9 leased")
     os.killpg(first.pid, signal.SIGKILL)
     first.wait()
-    # at the kill: steps 7 and 8 trained but not ACKed (their checkpoint would have been 9)
-    leased = client.stats()[0].stats["leased"]
-    assert leased == 2 * BATCH + 2 * GROUP, client.stats()[0].stats
+    assert leased(), client.stats()[0].stats  # (as at the kill: nothing was settled since)
 
     more = groups(1000, 6 * BATCH // GROUP)
     client.put(more)
     produced += more
-    second = start_learner(config, log)
-    process_reaper.append(second)
+    second = start_learner(config, log, process_reaper)
     assert second.wait(timeout=240) == 0, log.read_text()[-3000:]
 
     # the version sequence continues from the checkpoint, and so do the metrics

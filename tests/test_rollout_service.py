@@ -9,12 +9,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from helpers.procs import start
+from helpers.wait import running, wait_until
 
 from sluice.buffer.client import BufferClient
 from sluice.config.loader import config_from_dict, dump_config
@@ -55,17 +55,8 @@ def sim_config(tmp_path: Path, shard, **sections):
 
 def start_service(path: Path, index: int, reaper: list) -> subprocess.Popen:
     """The per-role command, as a cluster or compose would run it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "rollout", str(path), "--index", str(index)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    reaper.append(proc)
-    return proc
+    args = ["-m", "sluice.cli", "rollout", str(path), "--index", str(index)]
+    return start(args, reaper, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 class DrainThread:
@@ -76,12 +67,11 @@ class DrainThread:
         self.thread.start()
 
     def wait_for(self, predicate, timeout_s: float, procs=()) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate(self.drain.snapshot()):
-            for p in procs:
-                assert p.poll() is None, p.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, f"timed out; drain saw {self.drain.snapshot()}"
-            time.sleep(0.1)
+        """Until `predicate(what the drain saw)`, while every one of `procs` lives."""
+        services = {f"service pid {p.pid}": p for p in procs}
+        check = running(services, lambda name: services[name].stderr.read().decode()[-3000:])
+        snapshot = self.drain.snapshot
+        wait_until(lambda: predicate(snapshot()), timeout_s, lambda: f"drain saw {snapshot()}", check=check)
 
     def close(self) -> None:
         self.stop.set()
@@ -138,10 +128,12 @@ def test_services_join_and_leave_a_running_system(tmp_path, shard_factory, proce
         (b_id,) = [sid for sid in seen.per_service if sid.startswith("rollout-1.")]
         # the other service keeps going, and the control plane notices the one that left
         drain.wait_for(lambda s: s.per_service[b_id] >= seen.per_service[b_id] + 40, timeout_s=60, procs=[b])
-        deadline = time.monotonic() + 30
-        while control.status().admission["services_gone"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_until(
+            lambda: control.status().admission["services_gone"] >= 1,
+            30,
+            "the killed service noticed",
+            interval_s=0.2,
+        )
         assert a_id not in control.status().services
         # a new service joins with the per-role command and delivers
         c = start_service(path, 0, process_reaper)
@@ -172,11 +164,13 @@ class ServiceThread:
         self.thread.start()
 
     def run_until(self, predicate, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
+        def alive() -> None:
+            assert self.thread.is_alive(), f"the service thread ended: {self.service.totals}"
+
         try:
-            while not predicate(self.service):
-                assert self.thread.is_alive() and time.monotonic() < deadline, self.service.totals
-                time.sleep(0.05)
+            wait_until(
+                lambda: predicate(self.service), timeout_s, lambda: str(self.service.totals), check=alive
+            )
         finally:
             self.stop.set()
             self.thread.join(timeout=30)

@@ -11,12 +11,11 @@ import os
 
 import numpy as np
 import pytest
-import torch
-from recompute import max_logprob_error
+from helpers.engines import max_logprob_error, poll_after, two_versions
 
 from sluice.config.model import ModelConfig
 from sluice.config.rollout import VllmEngineConfig
-from sluice.modeling import load_policy, materialize_model_dir
+from sluice.modeling import materialize_model_dir
 from sluice.rollout_svc.engines.base import SamplingParams, WeightUpdate
 
 pytest.importorskip("vllm")
@@ -34,12 +33,7 @@ def setup(tmp_path_factory):
 
     model_dir = materialize_model_dir(ModelConfig(), tmp_path_factory.mktemp("model"))
     engine = VLLMEngine(model_dir, "float32", 0, VllmEngineConfig(kv_cache_mb=32))
-    model, tok = load_policy(model_dir)
-    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
-    gen = torch.Generator().manual_seed(0)
-    w1 = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in w0.items()}
-    prompts = [[tok.bos_token_id, 5, 6, 7, 14], [tok.bos_token_id, 9, 14]]
-    yield engine, model, tok, w0, w1, prompts
+    yield engine, *two_versions(model_dir)
     engine.close()
 
 
@@ -69,20 +63,10 @@ def test_in_place_weight_update_changes_outputs_and_versions(setup):
     assert stale > 1e-2, stale
 
 
-def _poll_after(calls: int, update: WeightUpdate):
-    count = {"n": 0}
-
-    def poll():
-        count["n"] += 1
-        return update if count["n"] == calls else None
-
-    return poll
-
-
 def test_continue_records_version_spans(setup):
     engine, model, tok, w0, w1, prompts = setup  # w1 loaded as version 1
     params = SamplingParams(8, TEMPERATURE, on_new_weights="continue")
-    groups = engine.generate(prompts, 8, params, _poll_after(3, WeightUpdate(2, list(w0.items()))))
+    groups = engine.generate(prompts, 8, params, poll_after(3, WeightUpdate(2, list(w0.items()))))
     assert engine.version == 2  # leaves w0 loaded as version 2
     spans = 0
     for g in groups:
@@ -99,7 +83,7 @@ def test_continue_records_version_spans(setup):
 def test_abort_requeues_in_flight_sequences(setup):
     engine, model, tok, w0, w1, prompts = setup  # w0 loaded as version 2
     params = SamplingParams(8, TEMPERATURE, on_new_weights="abort")
-    groups = engine.generate(prompts, 8, params, _poll_after(2, WeightUpdate(3, list(w1.items()))))
+    groups = engine.generate(prompts, 8, params, poll_after(2, WeightUpdate(3, list(w1.items()))))
     restarted = 0
     for g in groups:
         for c in g:

@@ -7,7 +7,8 @@ import time
 
 import pytest
 import torch
-from weight_sync_env import SyncEnv, perturb, small_cfg, wait_version
+from helpers.wait import wait_until
+from helpers.weight_sync_env import perturb, small_cfg, wait_version
 
 import sluice.weight_sync.pipeline as pipeline_module
 from sluice.config.model import ModelConfig, TinyModelInit
@@ -17,26 +18,7 @@ from sluice.rollout_svc.engines.hf import HFEngine
 from sluice.weight_sync.broadcaster import WeightBroadcaster
 from sluice.weight_sync.checksums import ChecksumWorker
 
-
-@pytest.fixture
-def env_factory():
-    envs: list[SyncEnv] = []
-
-    def make(cfg=None, **kwargs) -> SyncEnv:
-        env = SyncEnv(cfg or small_cfg(), **kwargs)
-        envs.append(env)
-        return env
-
-    yield make
-    for env in envs:
-        env.close()
-
-
-def wait_until(predicate, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
+# `env_factory` (SyncEnv instances closed at teardown) is a fixture of tests/conftest.py.
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:
@@ -113,7 +95,7 @@ class SlowChecksums(ChecksumWorker):
     """The learner's checksums reach the store well after the data (a loaded learner)."""
 
     def _hash(self, *args) -> None:
-        time.sleep(0.2)
+        time.sleep(0.2)  # a slow checksum: what the test is about
         super()._hash(*args)
 
 
@@ -166,7 +148,7 @@ def test_corrupted_bucket_is_refused_and_old_weights_kept(env_factory, checksum)
     v1_expected = expected(model, torch.float32)
     perturb(model)
     env.broadcaster.publish(2, model)  # corrupted in transit
-    wait_until(lambda: receiver.refused_versions == 1)
+    wait_until(lambda: receiver.refused_versions == 1, 20, "the version refused")
     assert receiver.take_latest() is None and receiver.version == 1  # nothing new to load
     assert_identical(receiver.held().tensors, v1_expected)  # old weights kept
     perturb(model)
@@ -195,7 +177,7 @@ def test_mismatched_layout_is_refused(env_factory):
     receiver = env.receiver("rollout-0", expected=shapes)
     env.wait_members(1)
     env.broadcaster.publish(1, model)
-    wait_until(lambda: receiver.refused_versions == 1)
+    wait_until(lambda: receiver.refused_versions == 1, 20, "the version refused")
     assert receiver.take_latest() is None and receiver.version == -1
     assert env.broadcaster.membership.status().members["rollout-0"].refused == 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench_scripts import run_script as run
+from helpers.bench_scripts import run_script as run
 
 
 def test_weight_sync_benchmark_quick(tmp_path):

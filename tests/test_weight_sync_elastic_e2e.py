@@ -8,12 +8,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from sluice_runs import HF_ENGINE
+from helpers.procs import start
+from helpers.runs import HF_ENGINE
+from helpers.wait import running, wait_until
 
 from sluice.config.loader import dump_config, load_config
 from sluice.launch.local import resolve
@@ -26,26 +26,10 @@ QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 pytestmark = pytest.mark.slow
 
 
-def start_role(run_dir: Path, config: Path, name: str, *args: str) -> subprocess.Popen:
-    log = (run_dir / "logs" / f"{name}.log").open("ab")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", *args, str(config)],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def wait_until(predicate, timeout_s: float, what: str, procs: dict[str, subprocess.Popen]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        for name, p in procs.items():
-            assert p.poll() is None, f"{name} exited with {p.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.25)
+def start_role(run_dir: Path, config: Path, name: str, *args: str, reaper: list) -> subprocess.Popen:
+    with (run_dir / "logs" / f"{name}.log").open("ab") as log:
+        args = ("-m", "sluice.cli", *args, str(config))
+        return start(args, reaper, stdout=log, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 def test_rollout_killed_and_another_started_while_training_continues(tmp_path, process_reaper):
@@ -66,20 +50,24 @@ def test_rollout_killed_and_another_started_while_training_continues(tmp_path, p
     materialize_model_dir(cfg.model, cfg.run_dir)
     config = run_dir / "config.yaml"
     dump_config(cfg, config)
-    procs = {
-        "buffer-0": start_role(run_dir, config, "buffer-0", "buffer", "--shard", "0"),
-        "learner": start_role(run_dir, config, "learner", "learner"),
-        "rollout-0": start_role(run_dir, config, "rollout-0", "rollout", "--index", "0"),
-        "rollout-1": start_role(run_dir, config, "rollout-1", "rollout", "--index", "1"),
+    roles = {
+        "buffer-0": ("buffer", "--shard", "0"),
+        "learner": ("learner",),
+        "rollout-0": ("rollout", "--index", "0"),
+        "rollout-1": ("rollout", "--index", "1"),
     }
-    process_reaper.extend(procs.values())
+    procs = {
+        name: start_role(run_dir, config, name, *args, reaper=process_reaper) for name, args in roles.items()
+    }
     steps = lambda: read_jsonl(run_dir / "metrics" / "learner.jsonl")  # noqa: E731
-    wait_until(lambda: len(steps()) >= 10, 180, "10 learner steps", procs)
+    alive = running(procs)  # (the roles the test has not stopped itself)
+    wait_until(lambda: len(steps()) >= 10, 180, "10 learner steps", interval_s=0.25, check=alive)
 
     os.killpg(procs.pop("rollout-1").pid, signal.SIGKILL)  # a crash, no LEAVE
     killed_at = len(steps())
-    procs["rollout-2"] = start_role(run_dir, config, "rollout-2", "rollout", "--index", "2")
-    process_reaper.append(procs["rollout-2"])
+    procs["rollout-2"] = start_role(
+        run_dir, config, "rollout-2", "rollout", "--index", "2", reaper=process_reaper
+    )
 
     def follows_over_the_group() -> bool:
         """The newcomer pulled a version over ZeroMQ, joined the group, and generated with a
@@ -88,7 +76,9 @@ def test_rollout_killed_and_another_started_while_training_continues(tmp_path, p
         batches = read_jsonl(run_dir / "metrics" / "rollout-2.jsonl")
         return bool(pulled) and any(b["version"] > int(pulled[0]) for b in batches)
 
-    wait_until(follows_over_the_group, 240, "the new service to follow the learner", procs)
+    wait_until(
+        follows_over_the_group, 240, "the new service following the learner", interval_s=0.25, check=alive
+    )
     learner = procs.pop("learner")
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(timeout=120) == 0, (run_dir / "logs" / "learner.log").read_text()[-3000:]

@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from weight_sync_env import SyncEnv, model_digest, perturb, small_cfg
+from helpers.wait import wait_until
+from helpers.weight_sync_env import SyncEnv, model_digest, perturb, small_cfg
 
 from sluice.weight_sync.announcements import HEAD_KEY, sums_key
 from sluice.weight_sync.broadcaster import WeightBroadcaster
@@ -23,24 +24,13 @@ class SlowGatherBroadcaster(WeightBroadcaster):
 
     def _send(self, version, layout, produce, *args, **kwargs):
         def slow(i, bucket, bounds, wire_sums):
-            time.sleep(0.05)
+            time.sleep(0.05)  # a slow gather: the scenario, not a wait
             return produce(i, bucket, bounds, wire_sums)
 
         return super()._send(version, layout, slow, *args, **kwargs)
 
 
-@pytest.fixture
-def env_factory():
-    envs: list[SyncEnv] = []
-
-    def make(cfg, broadcaster_cls=WeightBroadcaster) -> SyncEnv:
-        env = SyncEnv(cfg, broadcaster_cls=broadcaster_cls)
-        envs.append(env)
-        return env
-
-    yield make
-    for env in envs:
-        env.close()
+# `env_factory` (SyncEnv instances closed at teardown) is a fixture of tests/conftest.py.
 
 
 def big_model() -> torch.nn.Module:
@@ -63,10 +53,8 @@ def publish_in_thread(env: SyncEnv, version: int, model: torch.nn.Module) -> tup
 
 
 def wait_first_bucket(env: SyncEnv, seq: int, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not env.broadcaster.store.check([sums_key(seq)]):
-        assert time.monotonic() < deadline, "the publish never started sending"
-        time.sleep(0.001)
+    check = env.broadcaster.store.check
+    wait_until(lambda: check([sums_key(seq)]), timeout_s, "the publish sending", interval_s=0.001)
 
 
 def test_background_confirmation_reports_every_version_and_survives_a_killed_receiver(env_factory, tmp_path):
@@ -105,16 +93,13 @@ def test_background_confirmation_reports_every_version_and_survives_a_killed_rec
     for p in survivors:
         assert p.wait_version(3)["digest"] == model_digest(model)
     done.clear()
-    deadline = time.monotonic() + 20
-    while 3 not in confirmed:
-        assert time.monotonic() < deadline, f"v3 never confirmed: {confirmed}"
-        time.sleep(0.01)
+    wait_until(lambda: 3 in confirmed, 20, lambda: f"v3 confirmed (confirmed: {confirmed})")
     assert (2 in confirmed) == second.retried  # confirmed only where it was resent and verified
 
 
 def test_receiver_killed_mid_sync_does_not_hang_the_learner(env_factory, tmp_path):
     cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=3, liveness_timeout_s=2)
-    env = env_factory(cfg, SlowGatherBroadcaster)
+    env = env_factory(cfg, broadcaster_cls=SlowGatherBroadcaster)
     model = big_model()
     probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
     env.wait_members(3)

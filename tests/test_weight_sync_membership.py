@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import zmq
 
-from sluice.control.admission import AdmissionPolicy
-from sluice.control.client import ControlClient
-from sluice.control.server import ControlServer
-from sluice.net import free_port
 from sluice.rpc import RpcError
 from sluice.weight_sync.group import epoch_backend
 from sluice.weight_sync.membership import Candidate, Membership
 
-
-@pytest.fixture
-def control():
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    server = ControlServer(endpoint, AdmissionPolicy(batch_size=8, max_staleness=0), ctx=zmq.Context())
-    server.start()
-    client = ControlClient(endpoint, timeout_s=5)
-    yield server, client
-    client.close()
-    server.close()
+# `control` (a control server in a thread and a client of it) is a fixture of tests/conftest.py.
 
 
 def test_membership_ops_need_an_attached_registry(control):

@@ -4,13 +4,11 @@ receiver gets the full weights bit-identical, and no gather materializes more th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from weight_sync_env import ROOT, ProbeProcess
+from helpers.procs import start
+from helpers.weight_sync_env import ROOT, ProbeProcess
 
 from sluice.config.weight_sync import WeightSyncConfig
 from sluice.net import free_port
@@ -23,29 +21,19 @@ def test_sharded_source_publishes_bucket_by_bucket(mode, tmp_path, process_reape
     if mode == "zero3":
         pytest.importorskip("deepspeed")
     dist_port, ws_port, control_port = free_port(), free_port(), free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     ranks = []
     for rank in (0, 1):
-        log = (tmp_path / f"rank{rank}.log").open("wb")
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "sharded_publisher.py"),
-                f"--rank={rank}",
-                f"--mode={mode}",
-                f"--dist-port={dist_port}",
-                f"--ws-port={ws_port}",
-                f"--control-port={control_port}",
-                f"--out={tmp_path}",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        process_reaper.append(proc)
-        ranks.append(proc)
+        args = [
+            str(ROOT / "tests" / "helpers" / "sharded_publisher.py"),
+            f"--rank={rank}",
+            f"--mode={mode}",
+            f"--dist-port={dist_port}",
+            f"--ws-port={ws_port}",
+            f"--control-port={control_port}",
+            f"--out={tmp_path}",
+        ]
+        with (tmp_path / f"rank{rank}.log").open("wb") as log:
+            ranks.append(start(args, process_reaper, stdout=log, OMP_NUM_THREADS="1"))
 
     cfg = WeightSyncConfig(master_port=ws_port)
     probe = ProbeProcess(cfg, f"tcp://127.0.0.1:{control_port}", "rollout-0", tmp_path)

@@ -8,6 +8,8 @@ import msgspec
 import pytest
 import torch
 import zmq
+from helpers.lifetime import closing_all
+from helpers.wire import RawPeer
 
 from sluice.config.weight_sync import WeightTransferConfig
 from sluice.weight_sync.layout import (
@@ -95,18 +97,16 @@ def test_chunk_plan_covers_every_byte_once_within_the_limit():
 
 @pytest.fixture
 def server():
-    servers = []
+    """`make(**transfer settings)`: a started SnapshotServer on a free port; closed at teardown."""
 
     def make(**overrides) -> SnapshotServer:
         cfg = WeightTransferConfig(**{"chunk_mb": 0.0005, "window": 3, "timeout_s": 10, **overrides})
         s = SnapshotServer(cfg, "127.0.0.1", ctx=zmq.Context())
         s.start()
-        servers.append(s)
         return s
 
-    yield make
-    for s in servers:
-        s.close()
+    with closing_all(make) as factory:
+        yield factory
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
@@ -136,28 +136,26 @@ def test_pull_refuses_bytes_that_do_not_match_the_manifest(server):
         pull_snapshot(srv.endpoint, srv.cfg)
 
 
-def request(sock, header, frames_out=False):
-    sock.send_multipart([b"", msgspec.msgpack.encode(header)])
-    assert sock.poll(5000), "no reply"
-    frames = sock.recv_multipart()
-    reply = reply_decoder.decode(frames[1])
-    return (reply, frames[2:]) if frames_out else reply
+def request(peer: RawPeer, header, frames_out=False):
+    """One request; its typed reply (and, with `frames_out`, the frames after it)."""
+    frames = peer.exchange([msgspec.msgpack.encode(header)])
+    assert frames is not None, f"no reply to {header}"
+    reply = reply_decoder.decode(frames[0])
+    return (reply, frames[1:]) if frames_out else reply
 
 
 def test_lease_pins_the_snapshot_and_bad_requests_get_named_errors(server, zmq_ctx):
     model = torch.nn.Linear(4, 4)
     srv = server(lease_s=0.5)
     srv.publish(make_snapshot(1, model))
-    sock = zmq_ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(srv.endpoint)
-    manifest = request(sock, ManifestRequest(proto=PROTO_VERSION, id=1))
+    peer = RawPeer(zmq_ctx, srv.endpoint)
+    manifest = request(peer, ManifestRequest(proto=PROTO_VERSION, id=1))
     leased = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(1.0)
     srv.publish(make_snapshot(2, model))  # a newer version does not change the leased bytes
     reply, frames = request(
-        sock,
+        peer,
         ChunkRequest(proto=PROTO_VERSION, id=2, lease=manifest.lease, ranges=[ChunkRange(0, 0, 64)]),
         frames_out=True,
     )
@@ -165,21 +163,22 @@ def test_lease_pins_the_snapshot_and_bad_requests_get_named_errors(server, zmq_c
     first = torch.frombuffer(bytearray(frames[0]), dtype=torch.float32).view(4, 4)
     assert torch.equal(first, leased)
     bad = request(
-        sock, ChunkRequest(proto=PROTO_VERSION, id=3, lease=manifest.lease, ranges=[ChunkRange(0, 60, 8)])
+        peer, ChunkRequest(proto=PROTO_VERSION, id=3, lease=manifest.lease, ranges=[ChunkRange(0, 60, 8)])
     )
     assert bad.code == "BAD_HEADER" and "ranges[0]" in bad.message
     bad = request(
-        sock, ChunkRequest(proto=PROTO_VERSION, id=4, lease=manifest.lease, ranges=[ChunkRange(0, 0, 4096)])
+        peer, ChunkRequest(proto=PROTO_VERSION, id=4, lease=manifest.lease, ranges=[ChunkRange(0, 0, 4096)])
     )
     assert bad.code == "TOO_LARGE"
-    sock.send_multipart([b"", b"\xc1not msgpack"])
-    assert sock.poll(5000) and reply_decoder.decode(sock.recv_multipart()[1]).code == "BAD_FRAME"
-    time.sleep(0.8)  # the lease idles out
+    garbage = peer.exchange([b"\xc1not msgpack"])
+    assert garbage is not None and reply_decoder.decode(garbage[0]).code == "BAD_FRAME"
+    time.sleep(0.8)  # the lease (0.5 s) idles out: what is tested
     gone = request(
-        sock, ChunkRequest(proto=PROTO_VERSION, id=5, lease=manifest.lease, ranges=[ChunkRange(0, 0, 4)])
+        peer, ChunkRequest(proto=PROTO_VERSION, id=5, lease=manifest.lease, ranges=[ChunkRange(0, 0, 4)])
     )
     assert gone.code == "UNKNOWN_LEASE"
     assert pull_snapshot(srv.endpoint, srv.cfg).version == 2  # still serving
+    peer.close()
 
 
 def test_buffer_pool_reuses_a_buffer_only_when_no_view_of_it_is_alive():

@@ -94,7 +94,7 @@ class ControlServer:
         self._ctx = ctx or zmq.Context.instance()
         self.sock = zmq_socket(self._ctx, zmq.ROUTER)
         self.sock.bind(bind)
-        self.endpoint = bind
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # as bound (`host:*`: a free port)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="control-server", daemon=True)
         # ADMITs waiting for quota: (envelope, request, deadline); served by the server thread

@@ -3,6 +3,8 @@ equivalence tests). Run with torchrun's environment; writes the parameters and t
 statistics of rank 0 to OUT.
 
     RANK=r WORLD_SIZE=k MASTER_ADDR=... MASTER_PORT=... python tests/helpers/group_step.py CONFIG OUT
+
+(with tests/ on PYTHONPATH, as `helpers.procs.child_env` sets it)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from helpers.groups import group_of
 from sluice.config.loader import load_config
 from sluice.learner.balance import assign_to_ranks
 from sluice.learner.dist import init_dist
@@ -29,22 +32,14 @@ def synthetic_batch(step: int, n_groups: int, group_size: int, vocab: int) -> li
     out = []
     for k in range(n_groups):
         prompt = g.integers(3, vocab, size=int(g.integers(2, 6))).astype(np.int32)
-        for j in range(group_size):
-            n = int(g.integers(1, 8))
-            out.append(
-                Trajectory(
-                    traj_id=f"{step}/{k}/{j}",
-                    group_id=f"{step}/{k}",
-                    version=0,
-                    group_size=group_size,
-                    reward=float(g.random()),
-                    arrays={
-                        "prompt_ids": prompt,
-                        "completion_ids": g.integers(3, vocab, size=n).astype(np.int32),
-                        "behaviour_logprobs": (-g.random(n) * 3).astype(np.float32),
-                    },
-                )
+        arrays = []
+        for n in g.integers(1, 8, size=group_size):
+            completion = g.integers(3, vocab, size=n).astype(np.int32)
+            logprobs = (-g.random(n) * 3).astype(np.float32)
+            arrays.append(
+                {"prompt_ids": prompt, "completion_ids": completion, "behaviour_logprobs": logprobs}
             )
+        out += group_of(f"{step}/{k}", arrays, rewards=g.random(group_size).tolist())
     return out
 
 

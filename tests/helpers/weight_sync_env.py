@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import zmq
 
+from helpers.procs import child_env
+from helpers.wait import wait_until
 from sluice.config.weight_sync import WeightSyncConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer
@@ -24,7 +26,7 @@ from sluice.weight_sync.broadcaster import WeightBroadcaster
 from sluice.weight_sync.probe import digest
 from sluice.weight_sync.receiver import WeightReceiver
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def model_digest(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> str:
@@ -52,7 +54,7 @@ class ProbeProcess:
                 "--timeout-s=60",
             ],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+            env=child_env(OMP_NUM_THREADS="1"),
             stdout=subprocess.PIPE,
             stderr=self._log,
             start_new_session=True,
@@ -100,8 +102,8 @@ class ProbeProcess:
 class SyncEnv:
     def __init__(self, cfg: WeightSyncConfig, broadcaster_cls=WeightBroadcaster, **kwargs) -> None:
         self.cfg = cfg
-        self.control_endpoint = f"tcp://127.0.0.1:{free_port()}"
-        self.control = ControlServer(self.control_endpoint, AdmissionPolicy(8, 1), ctx=zmq.Context())
+        self.control = ControlServer("tcp://127.0.0.1:*", AdmissionPolicy(8, 1), ctx=zmq.Context())
+        self.control_endpoint = self.control.endpoint
         self.broadcaster = broadcaster_cls(cfg, torch.device("cpu"), **kwargs)
         self.control.start()
         self.broadcaster.start(self.control, self.control_endpoint)
@@ -121,10 +123,8 @@ class SyncEnv:
 
     def wait_members(self, n: int, timeout_s: float = 30.0) -> None:
         """Until n services are registered (joined; they enter the group at the next publish)."""
-        deadline = time.monotonic() + timeout_s
-        while self.broadcaster.membership.registered() < n:
-            assert time.monotonic() < deadline, f"only {self.broadcaster.membership.registered()} joined"
-            time.sleep(0.05)
+        registered = self.broadcaster.membership.registered
+        wait_until(lambda: registered() >= n, timeout_s, lambda: f"{n} joined (only {registered()} did)")
 
     def close(self) -> None:
         self.broadcaster.close(leave_wait_s=1.0)

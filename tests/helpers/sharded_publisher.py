@@ -4,7 +4,7 @@ plane and the broadcaster; rank 1 only takes part in the gathers. Rank 0 writes 
 receiver must have got (digests of the full weights, gathered here for checking only) and the
 largest gather the source was asked for to <out>/result.json.
 
-    python tests/sharded_publisher.py --rank R --mode fsdp|zero3 --dist-port P --ws-port Q \\
+    python tests/helpers/sharded_publisher.py --rank R --mode fsdp|zero3 --dist-port P --ws-port Q \\
         --control-port C --out DIR
 """
 
@@ -13,13 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from helpers.wait import wait_until  # (the test puts tests/ on PYTHONPATH)
 from sluice.config.weight_sync import WeightSyncConfig
 from sluice.weight_sync.broadcaster import WeightBroadcaster
 from sluice.weight_sync.probe import digest
@@ -140,10 +140,8 @@ def main() -> None:
         control.attach_membership(broadcaster.membership)
         control.start()
         broadcaster.start()
-        deadline = time.monotonic() + 60
-        while broadcaster.membership.registered() < 1:  # the receiver joins the first epoch
-            assert time.monotonic() < deadline, "no receiver joined"
-            time.sleep(0.05)
+        # the receiver joins the first epoch
+        wait_until(lambda: broadcaster.membership.registered() >= 1, 60, "a receiver joined")
     dist.barrier()
     digests = {}
     for version in (1, 2):

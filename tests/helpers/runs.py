@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from helpers import wait
 from sluice.metrics import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The quickstart's `rollout.engine: auto` picks vLLM where it is installed; test runs use the HF
 # engine (seconds to start, not tens) unless a test names an engine itself.
 HF_ENGINE = "rollout.engine=hf"
@@ -66,11 +66,11 @@ def wait_until(
     predicate: Callable[[], bool], proc: subprocess.Popen, what: str, timeout: float = 180
 ) -> None:
     """Poll `predicate` while the run lives; fail with the run's output if it ends first."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
-        assert time.monotonic() < deadline, f"not within {timeout}s: {what}"
-        time.sleep(0.5)
+
+    def output(_: str) -> str:
+        return proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+
+    wait.wait_until(predicate, timeout, what, interval_s=0.5, check=wait.running({"the run": proc}, output))
 
 
 def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:

@@ -1,18 +1,23 @@
-"""Test helper: what the learner computes for completions an engine sampled.
+"""Engine test helpers: what the learner computes for completions an engine sampled, and a
+weight update that lands mid-generation.
 
-Uses the learner's own code (`learner.batch.collate`, `token_logprobs`), so a match means the
-behaviour log-probs a rollout reports are the numbers the learner's importance ratios use.
+The log-probs come from the learner's own code (`learner.batch.collate`, `token_logprobs`), so a
+match means the behaviour log-probs a rollout reports are the numbers the learner's importance
+ratios use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from sluice.learner.batch import collate, token_logprobs
-from sluice.rollout_svc.engines.base import Completion
+from sluice.modeling import load_policy
+from sluice.rollout_svc.engines.base import Completion, WeightUpdate
 from sluice.trajectory import Trajectory
 
 
@@ -74,3 +79,27 @@ def max_logprob_error(
                     checked += int(sel.sum())
     assert checked == sum(len(c.token_ids) for g in groups for c in g), "a token's version has no weights"
     return worst
+
+
+def poll_after(calls: int, update: WeightUpdate) -> Callable[[], WeightUpdate | None]:
+    """An interrupt source that delivers `update` at its `calls`-th poll (after that many
+    decode steps), like a receiver whose new version lands mid-generation."""
+    count = {"n": 0}
+
+    def poll() -> WeightUpdate | None:
+        count["n"] += 1
+        return update if count["n"] == calls else None
+
+    return poll
+
+
+def two_versions(model_dir: Path) -> tuple[torch.nn.Module, Any, dict, dict, list[list[int]]]:
+    """For engine tests across a weight update: the policy in `model_dir` loaded as the learner
+    loads it, its tokenizer, its weights `w0`, other weights `w1` (seeded), and two prompts of
+    different lengths."""
+    model, tok = load_policy(model_dir)
+    w0 = {k: v.detach().clone() for k, v in model.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    w1 = {k: v + 0.3 * torch.randn(v.shape, generator=gen) for k, v in w0.items()}
+    prompts = [[tok.bos_token_id, 5, 6, 7, 14], [tok.bos_token_id, 9, 14]]
+    return model, tok, w0, w1, prompts

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_script(args: list[str], timeout_s: float = 300, columns: int = 160) -> subprocess.CompletedProcess:
