@@ -49,18 +49,23 @@ class Produced:
 class Producer(Protocol):
     """What a kind of rollout service supplies."""
 
+    group_prefix: str  # set by the loop: the incarnation's id, which starts every group id it makes
+
     @property
     def version(self) -> int:
         """The version of the weights it acts with now."""
+        ...
 
     def load_weights(self, update: WeightUpdate) -> None: ...
 
     def request(self) -> tuple[int, int]:
         """(samples wanted per batch, group size): what to ask admission for."""
+        ...
 
     def produce(self, granted: int, poll_weights: PollWeights) -> Produced | None:
         """Make at most `granted` trajectories (None: nothing this time). `poll_weights` hands
         out newer weights for a producer that can take them in the middle of a batch."""
+        ...
 
     def close(self) -> None: ...
 
@@ -118,6 +123,7 @@ class ActorLoop:
         self.service_id = f"rollout-{index}"
         # Accounting identity on the control plane: a restarted service is a new incarnation.
         self.control_id = f"{self.service_id}.{uuid.uuid4().hex[:8]}"
+        producer.group_prefix = self.control_id  # so a restarted service never reuses a group id
         self.delivered = 0  # samples PUT (reported in heartbeats)
         self.batches = 0
         self.totals: dict[str, float] = {"samples": 0.0, "pause_s": 0.0}
@@ -293,3 +299,11 @@ class ActorLoop:
         self.producer.close()
         self.prom.stop()
         self.metrics_log.close()
+
+
+def run_actor(loop: ActorLoop) -> int:
+    """Run a service to its end and close it, also when it fails."""
+    try:
+        return loop.run()
+    finally:
+        loop.close()

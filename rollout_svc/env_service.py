@@ -20,7 +20,7 @@ from sluice.config.run import RunConfig
 from sluice.launch.threads import role_threads
 from sluice.metrics import PrometheusEndpoint
 from sluice.modeling.policy import load_policy_model, materialize_policy_dir
-from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect
+from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect, run_actor
 from sluice.rollout_svc.engines.base import WeightUpdate
 from sluice.rollout_svc.envs.gym_runner import GymRunner
 from sluice.rollout_svc.envs.segment import Segment
@@ -60,6 +60,7 @@ class EnvProducer:
         self.cfg = cfg
         self.policy_id, _ = policy_of_service(cfg, index)
         self.service_id = f"rollout-{index}"
+        self.group_prefix = self.service_id  # the loop sets its incarnation's id
         torch.set_num_threads(role_threads(cfg.rollout.torch_threads))
         model, _ = load_policy_model(cfg, materialize_policy_dir(cfg), torch.device("cpu"))
         self.actor = MLPActor(model, seed=cfg.rollout.seed + 1000 * index)
@@ -103,7 +104,7 @@ class EnvProducer:
 
     def to_trajectories(self, segments: list[Segment]) -> list[Trajectory]:
         self.unrolls += 1
-        group_id = f"{self.service_id}/{self.unrolls}"
+        group_id = f"{self.group_prefix}/{self.unrolls}"
         return [
             Trajectory(
                 traj_id=f"{group_id}/{j}",
@@ -129,14 +130,8 @@ def build_env_actor(cfg: RunConfig, index: int, stop: threading.Event) -> ActorL
     prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("rollout", index))
     producer = EnvProducer(cfg, index, prom.registry)
     conn = connect(cfg, stop, prom, lambda ctx: receiver_feed(cfg, producer.service_id, ctx))
-    loop = ActorLoop(cfg, index, stop, producer, conn, wait_for_published=True)
-    producer.service_id = loop.control_id  # group ids name the incarnation that made them
-    return loop
+    return ActorLoop(cfg, index, stop, producer, conn, wait_for_published=True)
 
 
 def run_env_rollout(cfg: RunConfig, index: int, stop: threading.Event) -> int:
-    loop = build_env_actor(cfg, index, stop)
-    try:
-        return loop.run()
-    finally:
-        loop.close()
+    return run_actor(build_env_actor(cfg, index, stop))

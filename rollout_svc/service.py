@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from sluice.config.run import RunConfig
 from sluice.launch.threads import role_threads
 from sluice.metrics import PrometheusEndpoint
-from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect
+from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect, run_actor
 from sluice.rollout_svc.engines.base import Engine, SamplingParams, WeightUpdate
 from sluice.rollout_svc.engines.registry import build_engine
 from sluice.rollout_svc.episodes import GroupRequest, Sample, multi_turn, single_turn
@@ -56,7 +56,7 @@ class LLMProducer:
     def __init__(self, cfg: RunConfig, index: int, registry: CollectorRegistry) -> None:
         self.cfg = cfg
         self.service_id = f"rollout-{index}"
-        self.group_prefix = self.service_id  # set to the incarnation's control id by build_actor
+        self.group_prefix = self.service_id  # the loop sets its incarnation's id
         rc = cfg.rollout
         if rc.engine != "sim":
             import torch
@@ -213,14 +213,8 @@ def build_actor(cfg: RunConfig, index: int, stop: threading.Event) -> ActorLoop:
     conn = connect(cfg, stop, prom, lambda ctx: weight_feed(cfg, producer.service_id, ctx))
     # With no staleness slack, a sample begun on older weights is always dropped: wait for them.
     wait = cfg.rollout.wait_for_published_weights or cfg.learner.max_staleness == 0
-    loop = ActorLoop(cfg, index, stop, producer, conn, wait_for_published=wait)
-    producer.group_prefix = loop.control_id  # group ids name the incarnation that made them
-    return loop
+    return ActorLoop(cfg, index, stop, producer, conn, wait_for_published=wait)
 
 
 def run_rollout(cfg: RunConfig, index: int, stop: threading.Event) -> int:
-    loop = build_actor(cfg, index, stop)
-    try:
-        return loop.run()
-    finally:
-        loop.close()
+    return run_actor(build_actor(cfg, index, stop))

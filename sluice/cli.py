@@ -111,11 +111,7 @@ IndexOpt = Annotated[
 
 
 @app.command()
-def buffer(
-    config: ConfigArg,
-    overrides: OverridesArg = None,
-    shard: IndexOpt = None,
-) -> None:
+def buffer(config: ConfigArg, overrides: OverridesArg = None, shard: IndexOpt = None) -> None:
     """Serve one buffer shard."""
     cfg = _load(config, overrides)
     k = _index(shard)
@@ -125,11 +121,7 @@ def buffer(
 
 
 @app.command()
-def rollout(
-    config: ConfigArg,
-    overrides: OverridesArg = None,
-    index: IndexOpt = None,
-) -> None:
+def rollout(config: ConfigArg, overrides: OverridesArg = None, index: IndexOpt = None) -> None:
     """Run one rollout service (`rollout.kind` llm: LLM generation; env: gymnasium envs)."""
     cfg = _load(config, overrides)
     _validate_plugins(cfg)
