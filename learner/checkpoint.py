@@ -93,7 +93,10 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 def rng_state(generator: torch.Generator) -> dict[str, torch.Tensor]:
     """Every random stream a rank draws from, as tensors (torch.load(weights_only=True) safe)."""
-    _, np_keys, np_pos, np_gauss, np_cached = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    if not isinstance(np_state, tuple):  # a dict: the global generator is not MT19937
+        raise TypeError("numpy's global random generator is not MT19937: its state cannot be saved")
+    _, np_keys, np_pos, np_gauss, np_cached = np_state
     py_version, py_state, _ = random.getstate()
     state = {
         "torch": torch.get_rng_state(),

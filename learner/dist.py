@@ -65,13 +65,16 @@ class DistContext:
         if not self.distributed:
             assert parts is not None
             return parts[0]
-        sizes = self.broadcast_ints([len(p) for p in parts] if self.is_main else None, self.world)
+        if self.is_main and parts is None:
+            raise ValueError("scatter_bytes: rank 0 must give the parts")
+        mine = parts if self.is_main else None  # only rank 0's parts are sent
+        sizes = self.broadcast_ints(None if mine is None else [len(p) for p in mine], self.world)
         width = max(max(sizes), 1)
         out = torch.empty(width, dtype=torch.uint8)
         chunks = None
-        if self.is_main:
+        if mine is not None:
             chunks = []
-            for p in parts:
+            for p in mine:
                 buf = torch.zeros(width, dtype=torch.uint8)
                 if p:
                     buf[: len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)

@@ -48,7 +48,7 @@ STOP, TRAIN, SKIP = 0, 1, 2  # what rank 0 tells the group at the start of a ste
 
 @dataclass
 class StepBatch:
-    local: list[Trajectory]  # this rank's share
+    local: list[Trajectory] | None  # this rank's share (None: nothing to train this step)
     checkpoint_after: bool
     # rank 0 only:
     fetched: FetchedBatch | None = None
@@ -57,6 +57,12 @@ class StepBatch:
     skipped: list[str] = field(default_factory=list)
     fetch_wait_s: float = 0.0
     scatter_s: float = 0.0
+
+    def rank0_fetched(self) -> FetchedBatch:
+        """The batch rank 0 fetched for this step (other ranks have none)."""
+        if self.fetched is None:
+            raise RuntimeError("this step has no fetched batch: only rank 0's steps carry one")
+        return self.fetched
 
 
 class Learner:
@@ -266,7 +272,7 @@ class Learner:
         """Rank 0: the step's leases join the ledger; ACKed now unless checkpoints hold them."""
         if not self.dist.is_main:
             return
-        fetched = step.fetched
+        fetched = step.rank0_fetched()
         self.control.release(step.violations)  # dropped samples were released as they came
         self.ledger.add(fetched.leased, step.skipped, fetched.leased_at)
         if self.audit is not None:
@@ -336,7 +342,7 @@ class Learner:
                 self.totals["episodes"] += len(t.arrays["episode_returns"])
         self.totals["samples"] += len(trained)
         self.totals["tokens"] += tokens
-        self.totals["dropped_stale"] += s.fetched.leased.dropped_stale
+        self.totals["dropped_stale"] += s.rank0_fetched().leased.dropped_stale
         self.totals["violations"] += s.violations
         self.totals["skipped"] += len(s.skipped)
         self.metrics.observe_staleness(lags)
@@ -357,7 +363,7 @@ class Learner:
             "staleness_mean": float(np.mean(lags)),
             "staleness_max": int(max(lags)),
             "staleness_hist": np.bincount(lags, minlength=lc.max_staleness + 1).tolist(),
-            "dropped_stale": s.fetched.leased.dropped_stale,
+            "dropped_stale": s.rank0_fetched().leased.dropped_stale,
             "staleness_violations": s.violations,
             **{f"total_{k}": v for k, v in self.totals.items()},
         }

@@ -92,6 +92,8 @@ class LearnerMetrics:
             self._records.put((version, {"time": time.time(), "version": version, **values}))
 
     def _write_loop(self) -> None:
+        if self.log is None:
+            raise RuntimeError("the metrics writer runs on rank 0 only (the rank with the log)")
         while (item := self._records.get()) is not None:
             version, record = item
             if version % self.cfg.learner.log_every == 0:

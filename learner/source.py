@@ -146,6 +146,8 @@ class BatchSource:
                     if self._closing:
                         break
                     version, self._wanted = self._wanted, None
+                if version is None:  # the wait above ends only on a request or on closing
+                    raise RuntimeError("batch prefetch woke with no batch requested")
                 fetched = self._fetch(client, version)
                 with self._cond:
                     if fetched is not None and self._closing:

@@ -26,7 +26,10 @@ from sluice.trajectory import Trajectory
 def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir: Path, device) -> Objective:
     if cfg.model.kind == "mlp":
         from sluice.learner.objectives.env import EnvObjective
+        from sluice.modeling.mlp import MLPPolicy
 
+        if not isinstance(model, MLPPolicy):
+            raise TypeError(f"model.kind mlp: expected an MLPPolicy, loaded a {type(model).__name__}")
         return EnvObjective(cfg.learner.loss, model.config.obs_dim, device)
     from sluice.learner.objectives.token import TokenObjective
 

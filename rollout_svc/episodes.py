@@ -150,7 +150,7 @@ def multi_turn(engine: Engine, task: MultiTurnTask, req: GroupRequest) -> list[l
         for e, (c,) in zip(live, completions):
             e.add_model(c)
             reply = e.episode.respond(tok.decode(c.token_ids.tolist(), skip_special_tokens=True), c.finished)
-            if reply.done:
+            if reply.text is None:  # reply.done: the episode ended
                 e.end(reply, truncated=False)
                 continue
             ids = tok.encode(reply.text, add_special_tokens=False)

@@ -23,13 +23,16 @@ class WeightFeed(Protocol):
 
     def poll(self) -> WeightUpdate | None:
         """The newest version not yet taken, or None (never blocks)."""
+        ...
 
     def wait(self, timeout_s: float) -> WeightUpdate | None:
         """Like poll, but waits up to timeout_s for one."""
+        ...
 
     @property
     def done(self) -> bool:
         """No more weights will come: the learner announced shutdown, or the feed failed."""
+        ...
 
     @property
     def error(self) -> BaseException | None: ...

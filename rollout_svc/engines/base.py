@@ -60,15 +60,21 @@ class Completion:
 
 
 class TokenCodec(Protocol):
-    """What the rollout service needs from a tokenizer (HF tokenizers satisfy it)."""
+    """What the rollout service needs from a tokenizer (HF tokenizers satisfy it). The ids are
+    read-only here, so plain attributes (the sim engine's WordTokenizer) satisfy it too."""
 
-    bos_token_id: int
-    eos_token_id: int
-    unk_token_id: int | None
+    @property
+    def bos_token_id(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int: ...
+    @property
+    def unk_token_id(self) -> int | None: ...
+    @property
+    def pad_token_id(self) -> int | None: ...
 
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]: ...
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = ...) -> str: ...
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ import torch.nn.functional as F
 from sluice.modeling import load_policy
 from sluice.rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
 from sluice.rollout_svc.engines.lean_llama import LeanLlamaDecoder, unsupported_reason
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class TransformersDecoder:
         return out.logits[:, -1]
 
 
-def build_decoder(model: torch.nn.Module, choice: str) -> LeanLlamaDecoder | TransformersDecoder:
+def build_decoder(model: PreTrainedModel, choice: str) -> LeanLlamaDecoder | TransformersDecoder:
     """`rollout.hf_decoder`: lean where it reproduces the model (auto), or as asked."""
     if choice == "transformers":
         return TransformersDecoder(model)
@@ -66,14 +70,19 @@ class HFEngine(Engine):
     def __init__(
         self, model_dir, dtype: str = "float32", device: str = "cpu", seed: int = 0, decoder: str = "auto"
     ) -> None:
-        self.model, self.tokenizer = load_policy(model_dir, dtype, device)
+        # transformers types its tokenizer loosely (special-token ids through __getattr__, decode
+        # returning str | list[str]), so pyright cannot match it to TokenCodec; at run time it does.
+        self.model, self.tokenizer = load_policy(model_dir, dtype, device)  # pyright: ignore[reportAttributeAccessIssue]
         self.model.eval()
         self.decoder = build_decoder(self.model, decoder)
         self.device = torch.device(device)
         self.version = 0
         self.max_model_len = int(self.model.config.max_position_embeddings)
         self.eos_id = self.tokenizer.eos_token_id
-        self.pad_id = self.tokenizer.pad_token_id
+        pad_id = self.tokenizer.pad_token_id
+        if pad_id is None:
+            raise ValueError(f"{model_dir}: the tokenizer has no pad token (the hf engine pads batches)")
+        self.pad_id = pad_id
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._params = dict(self.model.named_parameters())
 

@@ -15,13 +15,18 @@ transformers forward (`rollout.hf_decoder: auto`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 
 
-def unsupported_reason(model: torch.nn.Module) -> str | None:
+def unsupported_reason(model: PreTrainedModel) -> str | None:
     """Why this path would not reproduce `model`'s forward; None when it does."""
     cfg = model.config
     if cfg.model_type not in LLAMA_LIKE:
@@ -41,7 +46,7 @@ class LeanLlamaDecoder:
     `start` prefills left-padded prompts and returns the last position's logits; each `step`
     feeds one token per row and returns the next logits."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"lean decoder: {reason}")
@@ -51,7 +56,12 @@ class LeanLlamaDecoder:
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self._keys = self._values = self._valid = self._pos = None
+        # the round's cache, made by start(): keys and values [layers, B, kv_heads, T, D],
+        # valid [B, T] (False at left padding), pos [B, n] (positions of the latest tokens)
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self._valid: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
         self._len = 0
 
     def start(self, ids: torch.Tensor, valid: torch.Tensor, steps: int) -> torch.Tensor:
@@ -73,11 +83,16 @@ class LeanLlamaDecoder:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [B] the token each row sampled last. Returns the next logits [B, V]."""
+        if self._pos is None or self._valid is None:
+            raise RuntimeError("lean decoder: step() before start()")
         self._pos = self._pos[:, -1:] + 1
         mask = self._valid[:, None, None, : self._len + 1]
         return self._forward(tokens[:, None], self._pos, mask)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        keys, values = self._keys, self._values
+        if keys is None or values is None:
+            raise RuntimeError("lean decoder: no KV cache (start() makes it)")
         b, n = ids.shape
         lo, hi = self._len, self._len + n
         h = self.inner.embed_tokens(ids)
@@ -88,12 +103,12 @@ class LeanLlamaDecoder:
             x = layer.input_layernorm(h)
             q = _linear(x, attn.q_proj).view(b, n, self.heads, self.head_dim).transpose(1, 2)
             k = _linear(x, attn.k_proj).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            self._values[i, :, :, lo:hi] = (
+            values[i, :, :, lo:hi] = (
                 _linear(x, attn.v_proj).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
             )
-            q, self._keys[i, :, :, lo:hi] = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, keys[i, :, :, lo:hi] = _rotate(q, cos, sin), _rotate(k, cos, sin)
             o = F.scaled_dot_product_attention(
-                q, self._keys[i, :, :, :hi], self._values[i, :, :, :hi], attn_mask=mask,
+                q, keys[i, :, :, :hi], values[i, :, :, :hi], attn_mask=mask,
                 scale=attn.scaling, enable_gqa=self.kv_heads != self.heads,
             )  # fmt: skip
             h = h + _linear(o.transpose(1, 2).reshape(b, n, -1), attn.o_proj)

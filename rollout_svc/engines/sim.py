@@ -55,12 +55,12 @@ class SimEngine(Engine):
     def __init__(
         self, tokens: Sequence[str], max_model_len: int, cfg: SimEngineConfig, seed: int = 0
     ) -> None:
-        self.tokenizer = WordTokenizer(tokens)
+        self.tokenizer = tokenizer = WordTokenizer(tokens)
         self.max_model_len = max_model_len
         self.cfg = cfg
         self.version = 0
         self.rng = random.Random(seed)
-        self._words = list(range(4, len(self.tokenizer)))  # every non-special token
+        self._words = list(range(4, len(tokenizer)))  # every non-special token
         n = len(self._words)
         # log-probs of the sampling distribution: eos with eos_prob, the rest uniform
         self._eos_logp = math.log(cfg.eos_prob) if cfg.eos_prob > 0 else -math.inf

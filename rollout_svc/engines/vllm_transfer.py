@@ -15,7 +15,9 @@ when this module is imported; `rollout_svc.engines.vllm` imports it before build
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
@@ -27,6 +29,13 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 BACKEND = "sluice_file"
+
+
+@runtime_checkable
+class _LoadsWeights(Protocol):
+    """What every vLLM model has and vLLM's type of the engine's model (nn.Module) does not say."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
 
 
 @dataclass
@@ -53,8 +62,11 @@ class SafetensorsFileTransfer(WeightTransferEngine[FileInitInfo, FileUpdateInfo]
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: FileUpdateInfo) -> None:
+        model = self.model
+        if not isinstance(model, _LoadsWeights):
+            raise TypeError(f"{type(model).__name__} has no load_weights: not a vLLM model")
         with safe_open(update_info.path, framework="pt", device="cpu") as f:
-            self.model.load_weights((name, f.get_tensor(name)) for name in f.keys())
+            model.load_weights((name, f.get_tensor(name)) for name in f.keys())
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

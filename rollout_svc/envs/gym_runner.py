@@ -32,7 +32,7 @@ class GymRunner:
             vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},
             **cfg.kwargs,
         )
-        self.obs, _ = self.envs.reset(seed=[seed + j for j in range(cfg.num_envs)])
+        self.obs, _ = self.envs.reset(seed=seed)  # env j is seeded with seed + j
         self.obs = self.obs.astype(np.float32)
         self.episode_return = np.zeros(cfg.num_envs, dtype=np.float64)
         self.episode_length = np.zeros(cfg.num_envs, dtype=np.int64)

@@ -30,13 +30,13 @@ _INTEGER = re.compile(r"-?\d+")
 
 
 class CalculatorConfig(Section):
-    operands: int = Field(2, ge=2, le=6)
+    operands: int = Field(default=2, ge=2, le=6)
     """Single-digit operands per question."""
-    operators: str = Field("+-*", pattern=r"^[+\-*]+$")
+    operators: str = Field(default="+-*", pattern=r"^[+\-*]+$")
     """Operators questions use (any of + - *)."""
-    max_turns: int = Field(3, ge=1, le=16)
+    max_turns: int = Field(default=3, ge=1, le=16)
     """Model turns per episode at most."""
-    format_reward: float = Field(0.1, ge=0, le=1)
+    format_reward: float = Field(default=0.1, ge=0, le=1)
     """Reward of a well-formed but wrong answer."""
 
 
@@ -103,6 +103,7 @@ class CalculatorEpisode(Episode):
 class CalculatorTask(MultiTurnTask):
     name = "calculator"
     Config = CalculatorConfig
+    config: CalculatorConfig  # the instance of Config that __init__ is given
 
     def __init__(self, config: CalculatorConfig, seed: int) -> None:
         super().__init__(config, seed)

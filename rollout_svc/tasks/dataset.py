@@ -44,7 +44,7 @@ class DatasetConfig(Section):
     """Reward function: math (answers equal by value) or exact (string equality)."""
     shuffle: bool = True
     """Walk the rows in a seeded random order (per service, per epoch)."""
-    max_rows: int | None = Field(None, ge=1)
+    max_rows: int | None = Field(default=None, ge=1)
     """Use only the first max_rows rows."""
 
 
@@ -100,6 +100,7 @@ def _read_hf(path: Path, split: str) -> list[dict[str, Any]]:
 class DatasetTask(Task):
     name = "dataset"
     Config = DatasetConfig
+    config: DatasetConfig  # the instance of Config that __init__ is given
 
     def __init__(self, config: DatasetConfig, seed: int) -> None:
         super().__init__(config, seed)

@@ -17,13 +17,14 @@ DIGITS = [str(d) for d in range(10)]
 
 
 class DigitsConfig(Section):
-    length: int = Field(3, ge=1, le=32)
+    length: int = Field(default=3, ge=1, le=32)
     """Digits per prompt (and per expected answer)."""
 
 
 class CopyTask(Task):
     name = "copy"
     Config = DigitsConfig
+    config: DigitsConfig  # the instance of Config that __init__ is given
 
     def __init__(self, config: DigitsConfig, seed: int) -> None:
         super().__init__(config, seed)

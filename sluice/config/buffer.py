@@ -13,35 +13,35 @@ from sluice.config.base import Section
 class ReplayConfig(Section):
     sampling: Literal["uniform", "prioritized"] = "uniform"
     """uniform: every stored group equally likely. prioritized: proportional to (priority+eps)^alpha."""
-    alpha: float = Field(0.6, ge=0.0, le=1.0)
+    alpha: float = Field(default=0.6, ge=0.0, le=1.0)
     """Priority exponent (PER's alpha): 0 is uniform, 1 is fully proportional to priority."""
-    eps: float = Field(1e-6, gt=0.0)
+    eps: float = Field(default=1e-6, gt=0.0)
     """Added to every priority so that no stored group has probability 0."""
-    initial_priority: float | None = Field(None, gt=0.0)
+    initial_priority: float | None = Field(default=None, gt=0.0)
     """Priority of a newly stored group. None: the largest priority seen so far (PER's rule)."""
 
 
 class BufferConfig(Section):
-    shards: int = Field(1, ge=1)
+    shards: int = Field(default=1, ge=1)
     """Number of shard servers; groups are placed by hash(group_id) % shards."""
     mode: Literal["fifo", "replay"] = "fifo"
     """fifo: consume-once under leases (ACK deletes, lease timeout or NACK redelivers).
     replay: bounded ring (oldest evicted first), sampled with replacement (SAMPLE/PRIORITY)."""
-    capacity: int = Field(65536, ge=1)
+    capacity: int = Field(default=65536, ge=1)
     """Trajectories a shard holds (fifo: queued + leased, then PUT is refused; replay: ring size)."""
-    capacity_bytes: int = Field(4 << 30, ge=1 << 20)
+    capacity_bytes: int = Field(default=4 << 30, ge=1 << 20)
     """Payload bytes a shard holds (same rule as `capacity`): bounds memory for large trajectories."""
-    lease_timeout_s: float = Field(60.0, gt=0)
+    lease_timeout_s: float = Field(default=60.0, gt=0)
     """A lease not ACKed within this time is returned to the queue."""
-    max_message_bytes: int = Field(1 << 30, ge=1024)
+    max_message_bytes: int = Field(default=1 << 30, ge=1024)
     """ZMQ_MAXMSGSIZE of a shard: a larger message closes the sender's connection."""
-    max_batch: int = Field(8192, ge=1)
+    max_batch: int = Field(default=8192, ge=1)
     """Most trajectories in one PUT, asked for by one GET or SAMPLE, or keys in one PRIORITY."""
-    max_policies: int = Field(64, ge=1)
+    max_policies: int = Field(default=64, ge=1)
     """Distinct policy_ids a shard keeps streams for; a PUT that would add one more is refused."""
-    retry_after_ms: int = Field(100, ge=1)
+    retry_after_ms: int = Field(default=100, ge=1)
     """What a full shard tells producers to wait before the next PUT."""
-    dedupe_window: int = Field(1 << 18, ge=1024)
+    dedupe_window: int = Field(default=1 << 18, ge=1024)
     """traj_ids remembered for dedupe (between this and half of it, newest first; ~60 B each).
     Must cover the ids a producer may still resend: PUT rate x the client's give-up time."""
     replay: ReplayConfig = ReplayConfig()
@@ -55,13 +55,13 @@ class BufferConfig(Section):
     """always: fsync before every reply that depends on a write (survives power loss).
     interval: every `fsync_interval_ms`. none: never (survives a crash of the shard, not of the OS).
     Every policy writes the record before it replies: a killed shard loses nothing it acknowledged."""
-    fsync_interval_ms: int = Field(200, ge=1)
+    fsync_interval_ms: int = Field(default=200, ge=1)
     """Most time between a write and its fsync with `fsync: interval`."""
-    segment_bytes: int = Field(64 << 20, ge=1 << 16)
+    segment_bytes: int = Field(default=64 << 20, ge=1 << 16)
     """A log segment is closed and a new one started past this size (retired segments are reused)."""
-    compact_min_bytes: int = Field(256 << 20, ge=1 << 16)
+    compact_min_bytes: int = Field(default=256 << 20, ge=1 << 16)
     """The log is never compacted below this size."""
-    compact_ratio: float = Field(2.0, ge=1.1)
+    compact_ratio: float = Field(default=2.0, ge=1.1)
     """Compact when the log is larger than this times the bytes of the samples it still holds."""
     same_host_transport: Literal["auto", "zmq"] = "auto"
     """auto: clients on the shard's host move payload bytes through shared memory (the shard's
@@ -70,18 +70,18 @@ class BufferConfig(Section):
     shm_dir: str = "/dev/shm"
     """Where a shard without a log (durable false, or no log directory) keeps the memory-backed
     segments that same-host clients share; removed when the shard stops."""
-    same_host_min_put_bytes: int = Field(64 << 10, ge=0)
+    same_host_min_put_bytes: int = Field(default=64 << 10, ge=0)
     """PUT messages with fewer payload bytes than this go over ZeroMQ even on the same host
     (a reservation round trip costs more than copying a few KB)."""
-    reserve_timeout_s: float = Field(60.0, gt=0)
+    reserve_timeout_s: float = Field(default=60.0, gt=0)
     """A same-host producer must PUT the space it reserved within this time; later the space
     is abandoned and its segment file is deleted, never reused (a late write cannot land in it)."""
-    same_host_view_hold_s: float = Field(30.0, gt=0)
+    same_host_view_hold_s: float = Field(default=30.0, gt=0)
     """Replay: arrays returned by a same-host SAMPLE are views of segment files; a segment is
     not reused for this long after a SAMPLE returned views of it. Copy what you keep longer."""
     host: str = "127.0.0.1"
     """Host clients connect to when `endpoints` is empty."""
-    base_port: int = Field(0, ge=0, le=65535)
+    base_port: int = Field(default=0, ge=0, le=65535)
     """Shard k listens on base_port + k. 0: the local launcher picks free ports."""
     endpoints: list[str] = []
     """Explicit client endpoints, one per shard (e.g. tcp://buffer-0:5555). Overrides host/port."""

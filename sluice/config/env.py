@@ -14,10 +14,10 @@ class EnvConfig(Section):
     """gymnasium environment id (gymnasium.make)."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments of gymnasium.make."""
-    num_envs: int = Field(16, ge=1)
+    num_envs: int = Field(default=16, ge=1)
     """Environments stepped together by one rollout service (a gymnasium SyncVectorEnv). One
     unroll yields one group of num_envs trajectories."""
-    unroll_length: int = Field(64, ge=1)
+    unroll_length: int = Field(default=64, ge=1)
     """Steps per trajectory segment (IMPALA's unroll length T)."""
     seed: int = 0
     """Base seed of the environments; service i, env j uses seed + 10000 * i + j."""

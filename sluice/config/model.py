@@ -24,17 +24,17 @@ class TinyModelInit(Section):
     """Model family (transformers `LlamaForCausalLM`; vLLM serves it natively)."""
     vocab: str | list[str] = "digits"
     """A named vocabulary (see VOCABULARIES) or an explicit list of word-level tokens."""
-    hidden_size: int = Field(64, ge=8)
+    hidden_size: int = Field(default=64, ge=8)
     """Width of the residual stream."""
-    intermediate_size: int = Field(128, ge=8)
+    intermediate_size: int = Field(default=128, ge=8)
     """Width of the MLP."""
-    num_layers: int = Field(2, ge=1)
+    num_layers: int = Field(default=2, ge=1)
     """Transformer blocks."""
-    num_heads: int = Field(2, ge=1)
+    num_heads: int = Field(default=2, ge=1)
     """Attention heads (key/value heads are the same number)."""
     head_dim: int = 32
     """Per-head width. vLLM's CPU attention supports 32, 64, 80, 96, 112, 128, 256."""
-    max_position_embeddings: int = Field(64, ge=8)
+    max_position_embeddings: int = Field(default=64, ge=8)
     """Longest prompt + completion, in tokens."""
     seed: int = 0
     """Seed of the random initialisation (every role builds the same weights from it)."""
@@ -53,7 +53,7 @@ class MLPModelInit(Section):
     """A small MLP policy with a value head, for classic RL (sluice/modeling/mlp.py). Its input
     and output sizes come from the environment's spaces."""
 
-    hidden_sizes: list[int] = Field([64, 64], min_length=1)
+    hidden_sizes: list[int] = Field(default=[64, 64], min_length=1)
     """Widths of the shared torso layers."""
     activation: Literal["tanh", "relu"] = "tanh"
     """Nonlinearity between layers."""

@@ -10,9 +10,9 @@ from sluice.config.base import Section
 
 
 class RoleResources(Section):
-    num_cpus: float = Field(1.0, gt=0)
+    num_cpus: float = Field(default=1.0, gt=0)
     """CPUs Ray reserves for each process of this role."""
-    num_gpus: float = Field(0.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
     """GPUs Ray reserves (and makes visible through CUDA_VISIBLE_DEVICES) for each process."""
     resources: dict[str, float] = {}
     """Other Ray resources per process, e.g. {NPU: 1} for an Ascend NPU (Ray sets
@@ -23,7 +23,7 @@ class RayConfig(Section):
     address: str | None = None
     """Cluster to join: "auto" (the cluster this node belongs to, as after `ray up` or `ray
     start`), "ray://head:10001" (Ray Client), or None to start a local Ray instance."""
-    local_num_cpus: int | None = Field(None, ge=1)
+    local_num_cpus: int | None = Field(default=None, ge=1)
     """CPUs of the local instance when address is None (None: every core of this machine)."""
     namespace: str = "sluice"
     """Ray namespace of the run's actors."""
@@ -36,7 +36,7 @@ class RayConfig(Section):
     """Resources of each learner rank."""
     rollout: RoleResources = RoleResources()
     """Resources of each rollout service."""
-    ready_timeout_s: float = Field(600.0, gt=0)
+    ready_timeout_s: float = Field(default=600.0, gt=0)
     """How long to wait for the cluster to grant the placement group."""
     env: dict[str, str] = {}
     """Environment variables of every role process (e.g. NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)."""

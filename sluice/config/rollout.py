@@ -22,13 +22,13 @@ class VllmEngineConfig(Section):
     in_process: bool = True
     """Run vLLM's engine core inside the service process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
     one process per service, and each step is synchronous with the service loop."""
-    kv_cache_mb: int | None = Field(64, ge=1)
+    kv_cache_mb: int | None = Field(default=64, ge=1)
     """KV cache size in MiB. None: size it from gpu_memory_utilization instead."""
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    gpu_memory_utilization: float = Field(default=0.5, gt=0, le=1)
     """Share of device memory vLLM may use when kv_cache_mb is None."""
-    max_num_seqs: int = Field(256, ge=1)
+    max_num_seqs: int = Field(default=256, ge=1)
     """Most sequences vLLM schedules in one step."""
-    max_model_len: int | None = Field(None, ge=8)
+    max_model_len: int | None = Field(default=None, ge=8)
     """Longest prompt + completion. None: the model's max_position_embeddings."""
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile (fast start; tiny models gain nothing from graphs)."""
@@ -41,15 +41,15 @@ class SimEngineConfig(Section):
     """The sim engine: no model, a latency model of generation, random tokens of the model's
     vocabulary. For scale tests with many services on one machine."""
 
-    call_s: float = Field(0.005, ge=0)
+    call_s: float = Field(default=0.005, ge=0)
     """Fixed time of one generate call (scheduling, tokenization)."""
-    prefill_s_per_token: float = Field(2e-5, ge=0)
+    prefill_s_per_token: float = Field(default=2e-5, ge=0)
     """Prefill time per prompt token of the batch."""
-    decode_step_s: float = Field(0.01, ge=0)
+    decode_step_s: float = Field(default=0.01, ge=0)
     """Time of one decode step for the whole batch (the part batching shares)."""
-    decode_s_per_seq: float = Field(2e-4, ge=0)
+    decode_s_per_seq: float = Field(default=2e-4, ge=0)
     """Extra time of one decode step per sequence in the batch (the part batching does not)."""
-    eos_prob: float = Field(0.1, ge=0, le=1)
+    eos_prob: float = Field(default=0.1, ge=0, le=1)
     """Chance that a sampled token is end-of-sequence."""
 
 
@@ -57,9 +57,9 @@ class RolloutConfig(Section):
     kind: Literal["llm", "env"] = "llm"
     """llm: language-model generation for `task` (rollout_svc/service.py); env: gymnasium
     environments with an MLP policy (`env`, rollout_svc/env_service.py)."""
-    services: int = Field(2, ge=0)
+    services: int = Field(default=2, ge=0)
     """Rollout service processes started by the local launcher."""
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: int = Field(default=3, ge=0)
     """Times a launcher (local or Ray) restarts one rollout service that died (killed, crashed)
     before the run fails. The new process joins the weight-sync group as a new member."""
     engine: Literal["hf", "vllm", "sim", "auto"] = "hf"
@@ -75,17 +75,17 @@ class RolloutConfig(Section):
     """Settings of the vllm engine."""
     sim: SimEngineConfig = SimEngineConfig()
     """Settings of the sim engine."""
-    group_size: int = Field(16, ge=1)
+    group_size: int = Field(default=16, ge=1)
     """Completions sampled per prompt (a GRPO group)."""
-    prompts_per_batch: int = Field(8, ge=1)
+    prompts_per_batch: int = Field(default=8, ge=1)
     """Prompts per generation call; a call yields prompts_per_batch * group_size samples."""
-    max_new_tokens: int = Field(8, ge=1)
+    max_new_tokens: int = Field(default=8, ge=1)
     """Longest completion (per model turn in multi-turn tasks); also cut so prompt +
     completion fits the model's context. Longer ones are truncated (info.truncated = True)."""
     truncated_reward: float | None = None
     """Reward of a completion cut at its token budget instead of the task's (DAPO's overlong
     penalty in its simplest form). None: the task scores truncated completions itself."""
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature; behaviour log-probs are those of the tempered distribution."""
     on_new_weights: Literal["finish", "continue", "abort"] = "finish"
     """When weights arrive mid-generation: finish (take them after the call: one version per

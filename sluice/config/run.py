@@ -30,7 +30,7 @@ class RunSection(Section):
 class MetricsConfig(Section):
     prometheus_host: str = "127.0.0.1"
     """Interface the Prometheus endpoints listen on."""
-    base_port: int = Field(0, ge=0, le=65535)
+    base_port: int = Field(default=0, ge=0, le=65535)
     """buffer shard k: base+k, learner: base+100, rollout i: base+200+i. 0: free ports."""
     tensorboard: bool = True
     """Learner writes TensorBoard scalars under <run dir>/tb."""

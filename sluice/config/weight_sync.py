@@ -13,17 +13,17 @@ class WeightTransferConfig(Section):
     """The ZeroMQ chunked transfer: how a late joiner (or a service that fell out of the group)
     pulls the current version before it joins the broadcast group."""
 
-    port: int = Field(0, ge=0, le=65535)
+    port: int = Field(default=0, ge=0, le=65535)
     """Port the learner serves snapshots on (host: weight_sync.master_addr). 0: a free port,
     advertised to receivers through the rendezvous store."""
-    chunk_mb: float = Field(4.0, gt=0, le=512)
+    chunk_mb: float = Field(default=4.0, gt=0, le=512)
     """Bytes per chunk request (small tensors are coalesced into one chunk)."""
-    window: int = Field(8, ge=1, le=256)
+    window: int = Field(default=8, ge=1, le=256)
     """Chunk requests a receiver keeps in flight (credit-based flow control)."""
-    lease_s: float = Field(60.0, gt=0)
+    lease_s: float = Field(default=60.0, gt=0)
     """A snapshot being pulled is kept this long after the puller's last request, even when
     newer versions are published meanwhile."""
-    timeout_s: float = Field(30.0, gt=0)
+    timeout_s: float = Field(default=30.0, gt=0)
     """A chunk not answered within this fails the pull (the receiver retries from scratch)."""
 
 
@@ -33,14 +33,14 @@ class WeightSyncConfig(Section):
     (hccl) when the learner and every member hold their weights on CUDA (Ascend), else gloo
     (e.g. a CUDA learner with CPU rollout services: receivers with weights on an accelerator
     then receive into page-locked host buffers and copy once after verifying)."""
-    every: int = Field(1, ge=1)
+    every: int = Field(default=1, ge=1)
     """Publish weights after every k optimizer steps."""
-    bucket_mb: float = Field(64.0, gt=0)
+    bucket_mb: float = Field(default=64.0, gt=0)
     """Parameters are flattened by dtype into buckets of about this many MiB."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """dtype on the wire and in the engine: floating-point weights are cast while packed (e.g.
     float32 master weights to bfloat16). auto: the model's dtype (model.dtype)."""
-    piece_mb: float = Field(16.0, gt=0)
+    piece_mb: float = Field(default=16.0, gt=0)
     """Each broadcast carries at most this many MiB: a bigger bucket (one tensor larger than
     bucket_mb, e.g. the embedding) is cast, sent and checksummed piece by piece, so its first
     bytes are on the wire while the rest is still being cast. 16 MiB measured best of 64/16 on a
@@ -58,7 +58,7 @@ class WeightSyncConfig(Section):
     follows it) when the last one arrives, and a member that fails is dealt with at the next
     publish (a new epoch, that version sent in full). Measured: 4-6 ms a step off the learner's
     critical path on the vs_trl workload (docs/architecture.md)."""
-    pipeline_depth: int = Field(4, ge=1, le=256)
+    pipeline_depth: int = Field(default=4, ge=1, le=256)
     """Pieces in flight at once: piece i+1 is cast while pieces up to i are on the wire. On
     an accelerator each in-flight piece holds its bucket's buffer on the device."""
     delta: bool = False
@@ -67,20 +67,20 @@ class WeightSyncConfig(Section):
     hold the base version refuses the delta and pulls the whole version instead."""
     master_addr: str = "127.0.0.1"
     """Host of the rendezvous store (served by learner rank 0)."""
-    master_port: int = Field(0, ge=0, le=65535)
+    master_port: int = Field(default=0, ge=0, le=65535)
     """Port of the rendezvous store. 0: the local launcher picks a free port."""
-    timeout_s: float = Field(300.0, gt=0)
+    timeout_s: float = Field(default=300.0, gt=0)
     """Rendezvous timeout: how long a receiver keeps trying to reach the learner's store and
     control server before it fails."""
-    publish_timeout_s: float = Field(60.0, gt=0)
+    publish_timeout_s: float = Field(default=60.0, gt=0)
     """Collective timeout of the broadcast group: a member that does not take part in a
     bucket within this is dropped and the group is rebuilt without it (the learner never
     waits longer for a crashed or hung receiver)."""
-    liveness_timeout_s: float = Field(5.0, gt=0)
+    liveness_timeout_s: float = Field(default=5.0, gt=0)
     """A member that stops its heartbeat (bumped while it waits in a collective) for this long
     during a publish is taken for crashed or hung: the epoch is abandoned at once instead of
     after publish_timeout_s."""
-    ready_timeout_s: float = Field(10.0, gt=0)
+    ready_timeout_s: float = Field(default=10.0, gt=0)
     """When the group is rebuilt (a membership epoch), members that do not confirm within
     this are left out (they join again later)."""
     transfer: WeightTransferConfig = WeightTransferConfig()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import zmq
 
 from sluice.control.messages import (
@@ -13,15 +15,20 @@ from sluice.control.messages import (
     JoinRequest,
     LeaveReply,
     LeaveRequest,
+    RefundReply,
     RefundRequest,
     StatusReply,
     StatusRequest,
     SyncOutcome,
+    SyncReportReply,
     SyncReportRequest,
     reply_decoder,
 )
 from sluice.rpc import RpcConnection
+from sluice.wire.codec import ProtocolError
 from sluice.wire.messages import PROTO_VERSION
+
+R = TypeVar("R")
 
 
 class ControlClient:
@@ -31,41 +38,52 @@ class ControlClient:
         self.conn = RpcConnection(self.ctx, endpoint, name="control", reply_decoder=reply_decoder)
         self.timeout_s = timeout_s
 
-    def _call(self, request_type: type, timeout_s: float | None = None, **fields):
-        """Send one request of `request_type` (proto and id filled in) and return the reply."""
+    def _call(self, request_type: type, reply_type: type[R], timeout_s: float | None = None, **fields) -> R:
+        """Send one request of `request_type` (proto and id filled in) and return the reply, which
+        must be a `reply_type` (any other is a broken server: ProtocolError)."""
         req = request_type(proto=PROTO_VERSION, id=self.conn.next_id(), **fields)
-        return self.conn.request(req, timeout_s=self.timeout_s if timeout_s is None else timeout_s)[0]
+        reply = self.conn.request(req, timeout_s=self.timeout_s if timeout_s is None else timeout_s)[0]
+        if not isinstance(reply, reply_type):
+            raise ProtocolError(
+                "BAD_REPLY", f"control: {type(reply).__name__} in answer to {request_type.__name__}"
+            )
+        return reply
 
     def admit(self, service_id: str, n: int, group_size: int, wait_ms: int = 0) -> AdmitReply:
         """`wait_ms` > 0 long-polls: the reply comes when quota frees up or after wait_ms."""
         return self._call(
-            AdmitRequest, self.timeout_s + wait_ms / 1000,
+            AdmitRequest, AdmitReply, self.timeout_s + wait_ms / 1000,
             service_id=service_id, n=n, group_size=group_size, wait_ms=wait_ms,
         )  # fmt: skip
 
     def refund(self, service_id: str, n: int) -> None:
-        self._call(RefundRequest, service_id=service_id, n=n)
+        self._call(RefundRequest, RefundReply, service_id=service_id, n=n)
 
     def heartbeat(
         self, service_id: str, role: str, stats: dict[str, float], delivered: int = -1
     ) -> HeartbeatReply:
         return self._call(
-            HeartbeatRequest, service_id=service_id, role=role, stats=stats, delivered=delivered
+            HeartbeatRequest,
+            HeartbeatReply,
+            service_id=service_id,
+            role=role,
+            stats=stats,
+            delivered=delivered,
         )
 
     def status(self) -> StatusReply:
-        return self._call(StatusRequest)
+        return self._call(StatusRequest, StatusReply)
 
     # -- weight-sync membership ------------------------------------------------------------------
 
     def join(self, service_id: str, incarnation: str, held_version: int, device: str = "cpu") -> JoinReply:
         return self._call(
-            JoinRequest, service_id=service_id, incarnation=incarnation,
+            JoinRequest, JoinReply, service_id=service_id, incarnation=incarnation,
             held_version=held_version, device=device,
         )  # fmt: skip
 
     def leave(self, service_id: str, incarnation: str) -> LeaveReply:
-        return self._call(LeaveRequest, service_id=service_id, incarnation=incarnation)
+        return self._call(LeaveRequest, LeaveReply, service_id=service_id, incarnation=incarnation)
 
     def sync_report(
         self,
@@ -78,7 +96,7 @@ class ControlClient:
         error: str = "",
     ) -> None:
         self._call(
-            SyncReportRequest, service_id=service_id, incarnation=incarnation,
+            SyncReportRequest, SyncReportReply, service_id=service_id, incarnation=incarnation,
             epoch=epoch, version=version, outcome=outcome, error=error,
         )  # fmt: skip
 

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Protocol
+from typing import Literal, Protocol, overload
 
 import zmq
 
@@ -36,13 +36,16 @@ from sluice.control.messages import (
     AdmitRequest,
     HeartbeatReply,
     HeartbeatRequest,
+    JoinReply,
     JoinRequest,
+    LeaveReply,
     LeaveRequest,
     RefundReply,
     RefundRequest,
     ServiceStatus,
     StatusReply,
     StatusRequest,
+    SyncReportReply,
     SyncReportRequest,
     WeightSyncStatus,
     request_decoder,
@@ -61,12 +64,16 @@ class MembershipRegistry(Protocol):
     """Weight-sync membership, owned by the learner's broadcaster (weight_sync.membership).
     Called from the server thread; the registry does its own locking."""
 
-    def handle(self, req: JoinRequest | LeaveRequest | SyncReportRequest):
-        """The reply to a membership request (JoinReply, LeaveReply or SyncReportReply with
-        the request's id). ValueError: a bad field (the client gets BAD_HEADER)."""
+    def handle(
+        self, req: JoinRequest | LeaveRequest | SyncReportRequest
+    ) -> JoinReply | LeaveReply | SyncReportReply:
+        """The reply to a membership request (with the request's id). ValueError: a bad field
+        (the client gets BAD_HEADER)."""
+        ...
 
     def status(self) -> WeightSyncStatus:
         """Epoch, members and counters for STATUS."""
+        ...
 
 
 class ControlServer:
@@ -262,6 +269,10 @@ class ControlServer:
             return self._membership_op(req)
         raise codec.ProtocolError("BAD_HEADER", f"unhandled op {type(req).__name__}")
 
+    @overload
+    def _admit(self, req: AdmitRequest, park: Literal[False]) -> AdmitReply: ...
+    @overload
+    def _admit(self, req: AdmitRequest, park: bool) -> AdmitReply | _Park: ...
     def _admit(self, req: AdmitRequest, park: bool) -> AdmitReply | _Park:
         """Under the lock. Quota follows the published weights: admitted work is generated
         with them. Nothing to grant and `park`: the request waits (see _serve_parked)."""

@@ -5,6 +5,11 @@ Names are imported on first use (PEP 562), so `import sluice.modeling.mlp` or
 """
 
 from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what __getattr__ below imports on first use, for the type checker
+    from sluice.modeling.tiny import build_tiny_model, load_policy, materialize_model_dir
+    from sluice.modeling.tokenizer import build_tokenizer
 
 _EXPORTS = {
     "build_tiny_model": "sluice.modeling.tiny",
@@ -13,7 +18,7 @@ _EXPORTS = {
     "build_tokenizer": "sluice.modeling.tokenizer",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = ["build_tiny_model", "load_policy", "materialize_model_dir", "build_tokenizer"]
 
 
 def __getattr__(name: str):

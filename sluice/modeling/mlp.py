@@ -102,5 +102,7 @@ def build_mlp_policy(init: MLPModelInit, obs_dim: int, n_actions: int) -> MLPPol
     return model
 
 
-def load_mlp_policy(model_dir, dtype: torch.dtype = torch.float32, device="cpu") -> MLPPolicy:
+def load_mlp_policy(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> MLPPolicy:
     return MLPPolicy.from_pretrained(model_dir, dtype=dtype).to(device)

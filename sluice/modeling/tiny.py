@@ -38,9 +38,9 @@ def build_tiny_model(init: TinyModelInit) -> tuple[LlamaForCausalLM, PreTrainedT
         num_key_value_heads=init.num_heads,
         head_dim=init.head_dim,
         max_position_embeddings=init.max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=_token_id(tokenizer.pad_token_id, "pad"),
+        bos_token_id=_token_id(tokenizer.bos_token_id, "bos"),
+        eos_token_id=_token_id(tokenizer.eos_token_id, "eos"),
         tie_word_embeddings=False,
     )
     generator_state = torch.random.get_rng_state()
@@ -50,6 +50,13 @@ def build_tiny_model(init: TinyModelInit) -> tuple[LlamaForCausalLM, PreTrainedT
     finally:
         torch.random.set_rng_state(generator_state)
     return model, tokenizer
+
+
+def _token_id(value: object, name: str) -> int:
+    """A special token's id; transformers types them loosely (int, str or list)."""
+    if not isinstance(value, int):
+        raise TypeError(f"the built tokenizer's {name} token id is {value!r}, expected an int")
+    return value
 
 
 def materialize_model_dir(cfg: ModelConfig, run_dir: Path) -> Path:
@@ -81,4 +88,6 @@ def load_policy(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype])
-    return model.to(device), tokenizer
+    # transformers wraps PreTrainedModel.to with functools.wraps(nn.Module.to), so pyright sees the
+    # unbound signature (device binds to self): a gap in transformers' typing, not a wrong call.
+    return model.to(device), tokenizer  # pyright: ignore[reportArgumentType]

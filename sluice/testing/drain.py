@@ -126,7 +126,7 @@ class Drain:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("config")
     parser.add_argument("--out", required=True, help="timeline JSONL, one line per step")
     parser.add_argument("--step-s", type=float, default=0.0, help="pause per step (a slow learner)")

@@ -152,8 +152,8 @@ def array_payload(array: np.ndarray) -> memoryview:
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
     if array.ndim == 1 and array.flags.c_contiguous:
-        return memoryview(array).cast("B")
-    return memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
+        return array.data.cast("B")
+    return np.ascontiguousarray(array).reshape(-1).data.cast("B")
 
 
 def check_specs(specs: Sequence[ArraySpec], where: str) -> int:
