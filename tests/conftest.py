@@ -26,6 +26,16 @@ from sluice.control.client import ControlClient
 from sluice.control.server import ControlServer
 
 ROOT = Path(__file__).resolve().parents[1]
+# Per-test time limits (pytest-timeout): `timeout` in pyproject.toml (120 s) for every test, and
+# SLOW_TIMEOUT_S for a test marked slow, fitted to the slowest of them (~90 s) with margin for a
+# loaded machine. A test that needs another limit says `@pytest.mark.timeout(N)` itself.
+SLOW_TIMEOUT_S = 300
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 @pytest.fixture

@@ -172,3 +172,11 @@ def test_readme_run_commands_parse_with_the_cli():
     compose_lines = [line for line in lines if line.startswith("docker compose")]
     assert compose_lines and all("-f deploy/docker-compose.yml" in line for line in compose_lines)
     assert "status" in compose_services()
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The README's second command (set up and pass the tests) is the last line of .ci/run."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert blocks[1].strip() == ci_command
+    assert '-m "not slow"' in ci_command and ci_command.index("not slow") < ci_command.index("-m slow")
