@@ -34,6 +34,7 @@ from sluice.wire.messages import (
     PingRequest,
     PriorityRequest,
     PutReply,
+    Request,
     SampleReply,
     SampleRequest,
     StatsReply,
@@ -272,7 +273,7 @@ class BufferClient:
         leases = [(shard, lease_id) for shard, ids in to_ack.items() for lease_id in ids]
         for call, acks in carried:
             if call.error is not None:
-                leases += [(call.link.index, lease_id) for lease_id in acks]
+                leases += [(call.sent_on().index, lease_id) for lease_id in acks]
         if leases:
             batch.acked += self._settle(LeasedBatch(leases=leases), AckRequest)
 
@@ -301,7 +302,7 @@ class BufferClient:
             cancels = []
             for other in polls:
                 if not other.done:
-                    link = other.link
+                    link = other.sent_on()
                     cancel = Call(
                         CancelRequest(proto=PROTO_VERSION, id=link.next_id(), target=other.header.id),
                         timeout_s=self.timeout_s,
@@ -354,7 +355,7 @@ class BufferClient:
         reply: GetReply = call.reply
         batch.dropped_stale += reply.dropped_stale
         if reply.lease_id:
-            batch.leases.append((call.link.index, reply.lease_id))
+            batch.leases.append((call.sent_on().index, reply.lease_id))
             batch.trajs.extend(self._trajectories(call))
 
     def ack(self, batch: LeasedBatch) -> int:
@@ -567,7 +568,7 @@ class BufferClient:
         )
         return all(c.error is None for c in calls)
 
-    def _ask_every_shard(self, make_header: Callable[[ShardLink], object], timeout_s: float) -> list[Call]:
+    def _ask_every_shard(self, make_header: Callable[[ShardLink], Request], timeout_s: float) -> list[Call]:
         """One request per shard, resent to shards that were down or lost it, until `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         calls: list[Call | None] = [None] * self.n_shards
@@ -575,13 +576,17 @@ class BufferClient:
             todo = [k for k, c in enumerate(calls) if c is None or isinstance(c.error, (NotSent, Lost))]
             left = deadline - time.monotonic()
             if not todo or left <= 0:
-                return calls
+                asked = [c for c in calls if c is not None]
+                if len(asked) < len(calls):
+                    raise ValueError(f"timeout_s={timeout_s}: no time left to ask the shards")
+                return asked
             for k in todo:
                 if calls[k] is None or self.links[k].available(time.monotonic()):
-                    calls[k] = Call(make_header(self.links[k]), timeout_s=max(0.01, left))
-                    self.links[k].send(calls[k])
-            wait_all([calls[k] for k in todo], self.links)
-            if any(isinstance(calls[k].error, (NotSent, Lost)) for k in todo):
+                    call = calls[k] = Call(make_header(self.links[k]), timeout_s=max(0.01, left))
+                    self.links[k].send(call)
+            sent = [c for k in todo if (c := calls[k]) is not None]  # every one of them, now
+            wait_all(sent, self.links)
+            if any(isinstance(c.error, (NotSent, Lost)) for c in sent):
                 time.sleep(min(max(0.0, deadline - time.monotonic()), self._placement.time_to_next_probe()))
 
     def close(self) -> None:

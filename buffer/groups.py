@@ -40,6 +40,12 @@ class StoredTrajectory:
     loc: Loc | None = None  # where the log holds its arrays (None: only in `frames`)
     mapped: bool = False  # `frames` are views of the log's files (re-made when the log moves them)
 
+    def logged_at(self) -> Loc:
+        """`loc`, for a trajectory the log holds (one only in memory has no place there)."""
+        if self.loc is None:
+            raise ValueError(f"trajectory {self.meta.traj_id!r} is not in the log")
+        return self.loc
+
 
 @dataclass(slots=True)
 class Group:

@@ -29,9 +29,8 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -39,7 +38,7 @@ from sluice.buffer.same_host import SameHostPeer, host_id
 from sluice.buffer.sockets import client_socket, recv_frames, send_frames
 from sluice.rpc import RpcError, RpcTimeout
 from sluice.wire import codec
-from sluice.wire.messages import PROTO_VERSION, ErrorReply, HelloReply, HelloRequest
+from sluice.wire.messages import PROTO_VERSION, ErrorReply, HelloReply, HelloRequest, Request
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ class Call:
     """One request and, once done, its outcome: `reply` + `frames`, or `error`
     (RpcError for an error reply, NotSent, or Lost)."""
 
-    header: msgspec.Struct
+    header: Request
     payload: Sequence[Any] = ()
     timeout_s: float = 30.0
     link: ShardLink | None = None
@@ -87,6 +86,12 @@ class Call:
         self, reply: Any = None, frames: list | None = None, error: BaseException | None = None
     ) -> None:
         self.reply, self.frames, self.error, self.done = reply, frames or [], error, True
+
+    def sent_on(self) -> ShardLink:
+        """The link `ShardLink.send` sent the call on."""
+        if self.link is None:
+            raise RuntimeError(f"{type(self.header).__name__} {self.header.id} was never sent")
+        return self.link
 
 
 class ShardLink:
@@ -158,7 +163,7 @@ class ShardLink:
     def pump_events(self) -> None:
         # (EVENTS first: a NOBLOCK receive that finds nothing raises, which costs ~15 us, and
         # this runs for every request)
-        while self.monitor.get(_EVENTS) & _POLLIN:
+        while cast(int, self.monitor.get(_EVENTS)) & _POLLIN:  # EVENTS is an int option
             try:
                 frames = self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -323,12 +328,12 @@ def wait_all(
         if not open_calls:
             break
         poller = zmq.Poller()
-        active = {c.link for c in open_calls}
+        active = {c.sent_on() for c in open_calls}
         for link in active:
             poller.register(link.sock, zmq.POLLIN)
             poller.register(link.monitor, zmq.POLLIN)
         wait_ms = max(0, min(c.deadline for c in open_calls) - now) * 1000
-        ready = dict(poller.poll(min(wait_ms, 100) + 1))
+        ready = dict(poller.poll(int(min(wait_ms, 100) + 1)))  # whole ms, as pyzmq would make it
         for link in active:
             if link.monitor in ready:
                 link.pump_events()

@@ -232,7 +232,7 @@ class SegmentLog(ExperienceLog):
         self.segment_bytes: dict[int, int] = {}  # their valid length (a recycled file may be longer)
         self.pool: list[Path] = []  # retired segment files waiting to be reused
         self.pool_max = recycle_keep(cfg)
-        self.active: int | None = None
+        self.active = 0  # number of the segment writes go to (0: none until recover opens one)
         self.fd = -1
         self.active_bytes = 0
         self.dirty = False
@@ -430,13 +430,13 @@ class SegmentLog(ExperienceLog):
             groups=[LoggedGroup(seq=g.seq, trajs=g.metas) for g in prepared.groups],
             evicted=list(prepared.evicted),
             region=[res.offset, used, checksum],
-            traj_at=[t.loc[1] for g in prepared.groups for t in g.trajs],
+            traj_at=[t.logged_at()[1] for g in prepared.groups for t in g.trajs],
         )
         self._append(record)
 
     def views(self, t: StoredTrajectory) -> list[memoryview]:
         """Views of a trajectory's arrays where the log holds them (`t.loc`)."""
-        segment, offset = t.loc
+        segment, offset = t.logged_at()
         data = self.maps.view(segment, offset, t.nbytes)
         out, at = [], 0
         for n in array_sizes(t.meta):
@@ -521,7 +521,7 @@ class SegmentLog(ExperienceLog):
         self._expire_reservations(now)
         if self._compaction is not None:
             if self._compaction[0].done():
-                self._finish_compaction()
+                self._finish_compaction(self._compaction)
         elif now >= self._compact_retry_at and self.total_bytes > max(
             self.cfg.compact_min_bytes, self.cfg.compact_ratio * live_bytes
         ):
@@ -677,8 +677,8 @@ class SegmentLog(ExperienceLog):
             locs.append(group_locs)
         return write_all(fd, buffers)
 
-    def _finish_compaction(self) -> None:
-        future, replaces, groups = self._compaction
+    def _finish_compaction(self, compaction: tuple[Future, int, list[Group]]) -> None:
+        future, replaces, groups = compaction
         self._compaction = None
         try:
             written, locs = future.result()
@@ -706,7 +706,7 @@ class SegmentLog(ExperienceLog):
         """Block until a running compaction is done and cleaned up (tests, shutdown)."""
         if self._compaction is not None:
             self._compaction[0].exception()
-            self._finish_compaction()
+            self._finish_compaction(self._compaction)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

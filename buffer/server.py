@@ -356,6 +356,8 @@ class ShardServer:
             raise codec.ProtocolError(
                 "BAD_PAYLOAD", f"a PUT naming a region takes no payload frames, got {len(payload)}"
             )
+        if req.region is None:
+            raise codec.ProtocolError("BAD_HEADER", "a same-host PUT must name its region")
         try:
             res = self.log.claim(req.region, envelope[0])
         except NoSuchRegion:
@@ -517,7 +519,7 @@ class ShardServer:
                 if by_ref:
                     refs.append(TrajRef(-1, 0))
                 if t.mapped:
-                    segments.add(t.loc[0])
+                    segments.add(t.logged_at()[0])
                 frames.extend(t.frames)
         if by_ref:
             self.refs_served += sum(r.segment >= 0 for r in refs)

@@ -6,6 +6,8 @@ them and nothing else in `buffer/` calls `ctx.socket` directly.
 
 from __future__ import annotations
 
+from typing import cast
+
 import zmq
 
 from sluice.net import zmq_socket
@@ -24,7 +26,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 def recv_frames(sock: zmq.Socket) -> list[zmq.Frame] | None:
     """The next whole multipart message (zero-copy frames) if one is queued, else None.
     (Asks EVENTS first: a receive that finds nothing raises, which costs more than a request.)"""
-    if not sock.get(_EVENTS) & _POLLIN:
+    if not cast(int, sock.get(_EVENTS)) & _POLLIN:  # EVENTS is an int option
         return None
     try:
         frames = [sock.recv(_NOBLOCK, copy=False)]
