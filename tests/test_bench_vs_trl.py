@@ -73,6 +73,7 @@ def check_run(run: dict) -> None:
     assert run["crossings"].keys() == {"0.5", "0.7", "0.9"}
 
 
+@pytest.mark.slow  # a whole `sluice run` (~35 s)
 def test_quick_sluice_and_bound(tmp_path):
     data = run_quick(tmp_path, "--skip-trl", timeout_s=120)
     assert data["workload"]["parameters"] == 344_448
