@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import zmq
 from prometheus_client import CollectorRegistry
 
@@ -45,6 +44,7 @@ from sluice.weight_sync.checksums import WIRE_CHECKSUMS, XXH3, piece_wsum
 from sluice.weight_sync.group import (
     BroadcastGroup,
     CollectiveError,
+    TCPStore,
     epoch_backend,
     make_group,
     open_store,
@@ -80,7 +80,7 @@ class _Liveness:
     """Polled while the learner waits on a broadcast: reads every member's heartbeat counter
     (at most twice a second) and says abort when one has not moved for `timeout_s`."""
 
-    def __init__(self, store: dist.TCPStore, group: BroadcastGroup, timeout_s: float) -> None:
+    def __init__(self, store: TCPStore, group: BroadcastGroup, timeout_s: float) -> None:
         self.store = store
         self.keys = {rank: beat_key(group.epoch, rank) for rank in range(1, group.world_size)}
         self.timeout_s = timeout_s
@@ -133,7 +133,7 @@ class WeightBroadcaster:
         self.backend = resolve_backend(cfg.backend, device)
         self.membership = Membership()
         self.metrics = BroadcastMetrics(None)
-        self.store: dist.TCPStore | None = None
+        self.store: TCPStore | None = None
         self.transfer: SnapshotServer | None = None
         self.group: BroadcastGroup | None = None
         self.snapshot: Snapshot | None = None
@@ -204,6 +204,12 @@ class WeightBroadcaster:
             self.transfer = None
         self.store = None
 
+    def _live_store(self) -> TCPStore:
+        """The store rank 0 serves from start() to close()."""
+        if self.store is None:
+            raise RuntimeError("weight sync: no store (rank 0 serves it from start() to close())")
+        return self.store
+
     # -- publishing ----------------------------------------------------------------------------
 
     def publish(
@@ -233,6 +239,8 @@ class WeightBroadcaster:
             self._force_full = False
         if sent.delivered and later and not sent.retried:
             group = self.group
+            if group is None:  # `later` saw one, and a delivered publish keeps it
+                raise RuntimeError("weight sync: the group went away during a delivered publish")
             self._confirming = self._confirm_pool.submit(self._confirm, group, version, on_confirmed)
         elif on_confirmed is not None:  # undelivered too: members pull the snapshot from here
             on_confirmed(version)
@@ -403,7 +411,7 @@ class WeightBroadcaster:
                 seq, WeightsAnnouncement(group.epoch, version, layout, base_version, piece_bytes, wire.name)
             )
             append = self._sums_appender(seq)
-        liveness = _Liveness(self.store, group, self.cfg.liveness_timeout_s) if group else None
+        liveness = _Liveness(self._live_store(), group, self.cfg.liveness_timeout_s) if group else None
         pipeline = PiecePipeline(group, self.cfg.pipeline_depth, self.cfg.publish_timeout_s, liveness)
         hashed = pipeline.send(layout, produce, SendSums(wire, append, sums, self._hash_pool), piece_bytes)
         error = pipeline.error
@@ -434,7 +442,9 @@ class WeightBroadcaster:
         """The confirmation thread (`confirm: background`): the members' reports of `version`
         while the learner trains on. The main thread uses the store only after
         `_finish_confirm`, so the two never share it."""
-        error = self._await_reports(group, version, _Liveness(self.store, group, self.cfg.liveness_timeout_s))
+        error = self._await_reports(
+            group, version, _Liveness(self._live_store(), group, self.cfg.liveness_timeout_s)
+        )
         if error is None and on_confirmed is not None:
             on_confirmed(version)
         return error
@@ -502,7 +512,7 @@ class WeightBroadcaster:
         ids = [c.service_id for c in committed]
         self._members = ids
         backend = epoch_backend(self.cfg.backend, self.device.type, [c.device for c in committed])
-        self.store.set(commit_key(epoch), encoder.encode(EpochCommit(epoch, ids, backend)))
+        self._live_store().set(commit_key(epoch), encoder.encode(EpochCommit(epoch, ids, backend)))
         self.membership.commit_epoch(committed, dropped)
         if dropped:
             log.warning(
@@ -517,7 +527,7 @@ class WeightBroadcaster:
         try:
             self.group = make_group(
                 backend,
-                self.store,
+                self._live_store(),
                 0,
                 len(committed) + 1,
                 epoch=epoch,
@@ -536,19 +546,20 @@ class WeightBroadcaster:
             return {}
         keys = [ready_key(epoch, c.service_id) for c in candidates]
         deadline = time.monotonic() + self.cfg.ready_timeout_s
+        store = self._live_store()
         while True:
-            present = [k for k in keys if self.store.check([k])]
+            present = [k for k in keys if store.check([k])]
             if len(present) == len(keys) or time.monotonic() >= deadline:
                 break
             time.sleep(0.01)
-        values = self.store.multi_get(present) if present else []
+        values = store.multi_get(present) if present else []
         by_key = dict(zip(present, values))
         return {c.service_id: by_key[k].decode() for c, k in zip(candidates, keys) if k in by_key}
 
     def _abandon_epoch(self, error: Exception) -> None:
         epoch = self.group.epoch if self.group is not None else self.membership.epoch
         log.warning("weight sync: epoch %d abandoned: %s", epoch, error)
-        self.store.set(abort_key(epoch), b"1")
+        self._live_store().set(abort_key(epoch), b"1")
         self._drop_group()
         self._broken = True
         self.membership.count("failures")
@@ -562,9 +573,10 @@ class WeightBroadcaster:
             self.group = None
 
     def _announce(self, seq: int, announcement: Announcement) -> None:
-        self.store.set(ann_key(seq), encoder.encode(announcement))
-        self.store.set(HEAD_KEY, str(seq + 1).encode())
+        store = self._live_store()
+        store.set(ann_key(seq), encoder.encode(announcement))
+        store.set(HEAD_KEY, str(seq + 1).encode())
         old = seq - KEEP_ANNOUNCEMENTS
         if old >= 0:
-            self.store.delete_key(ann_key(old))
-            self.store.delete_key(sums_key(old))
+            store.delete_key(ann_key(old))
+            store.delete_key(sums_key(old))

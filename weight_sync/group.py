@@ -25,9 +25,32 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore, Store
+
+if TYPE_CHECKING:
+    # torch's stubs (torch 2.13) fall short of the store weight sync uses: TCPStore is documented as
+    # torch.distributed.TCPStore but not exported there, `set` is typed str-only (the binding takes
+    # bytes) and `append` is missing. This class says what the binding does; at run time it is
+    # torch's own.
+    class TCPStore(dist.TCPStore):  # pyright: ignore[reportPrivateImportUsage]
+        def set(self, key: str, value: str | bytes) -> None: ...
+        def append(self, key: str, value: str | bytes) -> None: ...
+
+else:
+    TCPStore = dist.TCPStore
+
+
+class Collectives(Protocol):
+    """What a group asks of its torch c10d backend (ProcessGroupGloo, ProcessGroupNCCL,
+    ProcessGroupHCCL). torch's stubs give those classes no `broadcast`; the binding has it."""
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+    def abort(self) -> None: ...
+    def _set_default_timeout(self, timeout: datetime.timedelta) -> None: ...
 
 
 class CollectiveError(RuntimeError):
@@ -61,10 +84,10 @@ def epoch_backend(configured: str, learner_device: str, member_devices: list[str
     return "gloo"
 
 
-def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> TCPStore:
     """Rank 0 serves the store; receivers connect to it, retrying until `timeout_s`. No world
     size: membership is elastic, the store does not count workers."""
-    return dist.TCPStore(
+    return TCPStore(
         host,
         port,
         None,
@@ -78,7 +101,7 @@ def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.
 class BroadcastGroup:
     """Rank 0 is the learner (the source); ranks 1..world_size-1 are receivers."""
 
-    pg: dist.ProcessGroup
+    pg: Collectives
     rank: int
     world_size: int
     backend: str
@@ -135,7 +158,7 @@ def wait_work(
 
 def make_group(
     backend: str,
-    store: dist.Store,
+    store: Store,
     rank: int,
     world_size: int,
     *,
@@ -147,7 +170,7 @@ def make_group(
     """Join epoch `epoch`'s group (blocks until all world_size ranks have joined, or raises
     CollectiveError after `connect_timeout_s`)."""
     connect = datetime.timedelta(seconds=connect_timeout_s)
-    scoped = dist.PrefixStore(prefix, store)
+    scoped = PrefixStore(prefix, store)
     try:
         pg = _new_process_group(backend, scoped, rank, world_size, connect)
     except (RuntimeError, dist.DistError) as e:
@@ -158,18 +181,19 @@ def make_group(
 
 
 def _new_process_group(
-    backend: str, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta
-) -> dist.ProcessGroup:
+    backend: str, store: Store, rank: int, world_size: int, timeout: datetime.timedelta
+) -> Collectives:
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        return cast(Collectives, dist.ProcessGroupGloo(store, rank, world_size, timeout))
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        return cast(Collectives, dist.ProcessGroupNCCL(store, rank, world_size, opts))
     if backend == "hccl":
+        # torch_npu exists only on Ascend machines (the npu extra): unresolved elsewhere
         try:
-            import torch_npu  # noqa: F401  (registers the hccl backend)
-            from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+            import torch_npu  # noqa: F401  # pyright: ignore[reportMissingImports]  (registers hccl)
+            from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # pyright: ignore[reportMissingImports]
         except ImportError as e:
             raise RuntimeError("weight_sync.backend=hccl needs torch_npu (Ascend)") from e
         opts = ProcessGroupHCCL.Options()

@@ -150,7 +150,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu":
         raise ValueError("tensor_bytes needs a host tensor")
     flat = tensor.detach().contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def checksum(tensor: torch.Tensor) -> int:

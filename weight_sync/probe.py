@@ -53,7 +53,7 @@ def report(weights: ReceivedWeights, receiver: WeightReceiver) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "\n").splitlines()[0])
     ap.add_argument("--master-addr", default="127.0.0.1")
     ap.add_argument("--master-port", type=int, required=True)
     ap.add_argument("--control", required=True, help="control-plane endpoint tcp://host:port")

@@ -9,7 +9,6 @@ rules are in docs/architecture.md, "Weight sync".
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import threading
@@ -19,11 +18,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import zmq
 
 from sluice.config.weight_sync import WeightSyncConfig
 from sluice.control.client import ControlClient
+from sluice.control.messages import SyncOutcome
 from sluice.rpc import RpcError, RpcTimeout
 from sluice.weight_sync.announcements import (
     CONTROL_KEY,
@@ -44,7 +43,15 @@ from sluice.weight_sync.announcements import (
 )
 from sluice.weight_sync.buffers import BufferPool
 from sluice.weight_sync.checksums import WIRE_CHECKSUMS, WSUM32, WireChecksum
-from sluice.weight_sync.group import BroadcastGroup, CollectiveAborted, CollectiveError, make_group, wait_work
+from sluice.weight_sync.group import (
+    BroadcastGroup,
+    CollectiveAborted,
+    CollectiveError,
+    TCPStore,
+    make_group,
+    open_store,
+    wait_work,
+)
 from sluice.weight_sync.layout import decode_checksums, piece_bounds, unpack_bucket
 from sluice.weight_sync.transfer_client import TransferError, pull_snapshot
 
@@ -113,12 +120,24 @@ class WeightReceiver:
         self._listed = False  # an epoch listed it since it last joined
         self._seq = 0
         self._last_pull = 0.0
-        self._store: dist.TCPStore | None = None
+        self._store: TCPStore | None = None
         self._control: ControlClient | None = None
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def _live_store(self) -> TCPStore:
+        """The learner's store, which the receiver thread connects to first."""
+        if self._store is None:
+            raise RuntimeError("weight receiver: not connected to the learner's store")
+        return self._store
+
+    def _live_control(self) -> ControlClient:
+        """The control-plane client, made once the store names the control server."""
+        if self._control is None:
+            raise RuntimeError("weight receiver: no control-plane client yet")
+        return self._control
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Leave the group and end the thread (waits up to `timeout_s` for it)."""
@@ -152,14 +171,7 @@ class WeightReceiver:
     def _run(self) -> None:
         shutdown = False
         try:
-            self._store = dist.TCPStore(
-                self.cfg.master_addr,
-                self.cfg.master_port,
-                None,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=self.cfg.timeout_s),
-                wait_for_workers=False,
-            )
+            self._store = open_store(self.cfg.master_addr, self.cfg.master_port, False, self.cfg.timeout_s)
             endpoint = self.control_endpoint or self._store.get(CONTROL_KEY).decode()
             self._control = ControlClient(endpoint, timeout_s=min(10.0, self.cfg.timeout_s), ctx=self.zmq_ctx)
             shutdown = self._follow()
@@ -214,7 +226,9 @@ class WeightReceiver:
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self._stop.is_set():
             try:
-                reply = self._control.join(self.service_id, self.incarnation, self.version, self.device.type)
+                reply = self._live_control().join(
+                    self.service_id, self.incarnation, self.version, self.device.type
+                )
                 break
             except RpcTimeout:
                 if time.monotonic() > deadline:
@@ -242,14 +256,14 @@ class WeightReceiver:
         deadline = time.monotonic() + self.cfg.publish_timeout_s
         while self.version < version and not self._stop.is_set() and time.monotonic() < deadline:
             self._pull()
-            if self.version >= version or int(self._store.get(HEAD_KEY)) > self._seq:
+            if self.version >= version or int(self._live_store().get(HEAD_KEY)) > self._seq:
                 return
             time.sleep(0.05)
 
     def _pull(self) -> None:
         """The late joiner's path: the learner's snapshot over ZeroMQ, if newer than held."""
         self._last_pull = time.monotonic()
-        endpoint = self._store.get(TRANSFER_KEY).decode()
+        endpoint = self._live_store().get(TRANSFER_KEY).decode()
         try:
             pulled = pull_snapshot(
                 endpoint,
@@ -282,9 +296,9 @@ class WeightReceiver:
         self._report(0, pulled.version, "ok")
 
     def _leave(self, shutdown: bool) -> None:
-        self._control.timeout_s = 2.0  # best effort: the learner may be gone
+        self._live_control().timeout_s = 2.0  # best effort: the learner may be gone
         try:
-            self._control.leave(self.service_id, self.incarnation)
+            self._live_control().leave(self.service_id, self.incarnation)
         except (RpcTimeout, RpcError) as e:
             if not shutdown:
                 log.warning("weight receiver: LEAVE not acknowledged: %s", e)
@@ -296,7 +310,7 @@ class WeightReceiver:
             return  # joined after this epoch's candidates were chosen: the next one lists it
         self._listed = True
         self._drop_group()
-        self._store.set(ready_key(ann.epoch, self.service_id), self.incarnation.encode())
+        self._live_store().set(ready_key(ann.epoch, self.service_id), self.incarnation.encode())
         commit = commit_decoder.decode(
             self._wait_key(commit_key(ann.epoch), 2 * self.cfg.ready_timeout_s + self.cfg.publish_timeout_s)
         )
@@ -306,7 +320,7 @@ class WeightReceiver:
         try:
             self._group = make_group(
                 commit.backend,
-                self._store,
+                self._live_store(),
                 rank,
                 len(commit.members) + 1,
                 epoch=ann.epoch,
@@ -331,7 +345,9 @@ class WeightReceiver:
     def _drop_group(self, pending: list | None = None) -> None:
         if self._group is not None:
             self._droppers = [d for d in self._droppers if d.is_alive()]
-            self._droppers.append(self._group.close(pending))
+            dropper = self._group.close(pending)
+            if dropper is not None:
+                self._droppers.append(dropper)
             self._group = None
             self.epoch = 0
 
@@ -341,10 +357,10 @@ class WeightReceiver:
         key = ann_key(self._seq)
         while not self._stop.is_set():
             if self._wait_once(key):
-                announcement = announcement_decoder.decode(self._store.get(key))
+                announcement = announcement_decoder.decode(self._live_store().get(key))
                 self._seq += 1
                 return announcement
-            if int(self._store.get(HEAD_KEY)) > self._seq and not self._store.check([key]):
+            if int(self._live_store().get(HEAD_KEY)) > self._seq and not self._live_store().check([key]):
                 raise _Rejoin(f"announcement {self._seq} was pruned: fell behind")
             if self.version < 0 and self._group is None and time.monotonic() - self._last_pull > 1.0:
                 self._pull()  # holds nothing and is not in a group yet: do not wait for an epoch
@@ -357,16 +373,17 @@ class WeightReceiver:
                 raise _Rejoin("stopping")
             if time.monotonic() > deadline:
                 raise _Rejoin(f"{key} not written within {timeout_s:.0f}s")
-        return self._store.get(key)
+        return self._live_store().get(key)
 
     def _wait_once(self, key: str) -> bool:
         """Whether `key` appears within _POLL_S. Polls `check` (a store `wait` that times out
         logs a C++ warning each time); DistNetworkError (learner gone) propagates. A member
         bumps its heartbeat on every call."""
         deadline = time.monotonic() + _POLL_S
+        store = self._live_store()
         if self._group is not None:  # idle members beat too: the learner may still be sending
-            self._store.add(beat_key(self._group.epoch, self._group.rank), 1)
-        while not self._store.check([key]):
+            store.add(beat_key(self._group.epoch, self._group.rank), 1)
+        while not store.check([key]):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(_STORE_POLL_S)
@@ -378,9 +395,10 @@ class WeightReceiver:
         key = sums_key(seq)
         deadline = time.monotonic() + self.cfg.publish_timeout_s
         next_check = time.monotonic() + _POLL_S
+        store = self._live_store()
         while True:
-            if self._store.check([key]):
-                sums = decode_checksums(self._store.get(key))
+            if store.check([key]):
+                sums = decode_checksums(store.get(key))
                 if len(sums) >= count:
                     return sums
             now = time.monotonic()
@@ -399,8 +417,8 @@ class WeightReceiver:
         watches it), and give up if the learner abandoned the epoch or we are stopping."""
 
         def check() -> bool:
-            self._store.add(beat_key(epoch, rank), 1)
-            return self._stop.is_set() or self._store.check([abort_key(epoch)])
+            self._live_store().add(beat_key(epoch, rank), 1)
+            return self._stop.is_set() or self._live_store().check([abort_key(epoch)])
 
         return check
 
@@ -533,9 +551,9 @@ class WeightReceiver:
         log.error("weight sync: version %d refused (%s); keeping v%d", version, why, self.version)
         self._report(epoch, version, "refused", why)
 
-    def _report(self, epoch: int, version: int, outcome: str, error: str = "") -> None:
+    def _report(self, epoch: int, version: int, outcome: SyncOutcome, error: str = "") -> None:
         try:
-            self._control.sync_report(
+            self._live_control().sync_report(
                 self.service_id, self.incarnation, epoch=epoch, version=version, outcome=outcome, error=error
             )
         except (RpcTimeout, RpcError) as e:

@@ -61,7 +61,10 @@ class ModuleSource(ParamSource):
 
 def _full(param: torch.Tensor) -> torch.Tensor:
     full_tensor = getattr(param, "full_tensor", None)  # DTensor (FSDP2, tensor parallel)
-    return full_tensor() if callable(full_tensor) else param.detach()
+    full = full_tensor() if callable(full_tensor) else param.detach()
+    if not isinstance(full, torch.Tensor):
+        raise TypeError(f"{type(param).__name__}.full_tensor() gave a {type(full).__name__}, not a tensor")
+    return full
 
 
 class ZeRO3Source(ParamSource):
@@ -76,7 +79,12 @@ class ZeRO3Source(ParamSource):
             raise ValueError(f"ZeRO3Source: parameters without ZeRO-3 partitioning, e.g. {missing[:3]}")
 
     def specs(self) -> list[TensorSpec]:
-        return [TensorSpec(n, tuple(p.ds_shape), p.dtype) for n, p in self.module.named_parameters()]
+        # ds_shape is set on each parameter by DeepSpeed at run time (checked in __init__); torch's
+        # Parameter type does not know it
+        return [
+            TensorSpec(n, tuple(p.ds_shape), p.dtype)  # pyright: ignore[reportAttributeAccessIssue]
+            for n, p in self.module.named_parameters()
+        ]
 
     @contextmanager
     def gather(self, names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
