@@ -27,7 +27,7 @@ from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect, 
 from sluice.rollout_svc.engines.base import Engine, SamplingParams, WeightUpdate
 from sluice.rollout_svc.engines.registry import build_engine
 from sluice.rollout_svc.episodes import GroupRequest, Sample, multi_turn, single_turn
-from sluice.rollout_svc.tasks.base import Prompt, Task
+from sluice.rollout_svc.tasks.base import MultiTurnTask, Prompt, Task
 from sluice.rollout_svc.tasks.registry import build_task
 from sluice.rollout_svc.weights import VersionFeed, WeightFeed, receiver_feed
 from sluice.trajectory import Trajectory
@@ -111,11 +111,16 @@ class LLMProducer:
         if not prompts:
             return None
         t0 = time.perf_counter()
-        run = multi_turn if self.task.multi_turn else single_turn
+        task = self.task
         request = GroupRequest(
             prompts, prompt_ids, rc.group_size, self.sampling, poll_weights, rc.truncated_reward
         )
-        groups = run(self.engine, self.task, request)
+        if not task.multi_turn:
+            groups = single_turn(self.engine, task, request)
+        elif isinstance(task, MultiTurnTask):
+            groups = multi_turn(self.engine, task, request)
+        else:
+            raise TypeError(f"task {task.name!r} says multi_turn but is not a MultiTurnTask")
         t1 = time.perf_counter()
         kept = [(p, ids, g) for p, ids, g in zip(prompts, prompt_ids, groups) if self.keep_group(g)]
         trajs = [t for p, ids, g in kept for t in self.build_group(p, ids, g)]

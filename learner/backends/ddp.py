@@ -48,6 +48,8 @@ class DDPBackend(TrainBackend):
     def accumulate(self, sync: bool):
         if sync or not self.dist.distributed:
             return nullcontext()
+        if not isinstance(self.module, DistributedDataParallel):  # what __init__ wraps it in
+            raise TypeError(f"distributed DDP backend holds a {type(self.module).__name__}")
         return self.module.no_sync()
 
     def backward(self, loss: torch.Tensor) -> None:

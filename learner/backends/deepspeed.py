@@ -52,8 +52,13 @@ class DeepSpeedBackend(TrainBackend):
             model.parameters(), lr=lc.lr, betas=lc.betas, eps=lc.adam_eps, weight_decay=lc.weight_decay
         )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(lc, total_updates))
+        # DeepSpeed annotates lr_scheduler as torch's legacy _LRScheduler; LambdaLR derives from its
+        # successor LRScheduler, which DeepSpeed takes at run time (a gap in DeepSpeed's typing).
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=deepspeed_config(lc, dtype)
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,  # pyright: ignore[reportArgumentType]
+            config=deepspeed_config(lc, dtype),
         )
         self.module = self.engine
 

@@ -108,6 +108,12 @@ class Placed:
     def name(self) -> str:
         return "learner" if self.role == "learner" else f"{self.role}-{self.index}"
 
+    def node_ip(self) -> str:
+        """The IP of the node its actor runs on (reported once the actor started)."""
+        if self.node is None:
+            raise RuntimeError(f"{self.name}: its actor has not reported its node")
+        return self.node["ip"]
+
 
 def _bundle(res: RoleResources) -> dict[str, float]:
     out = {"CPU": res.num_cpus, "GPU": res.num_gpus, **res.resources}
@@ -143,6 +149,7 @@ class RayLauncher:
 
     def place(self) -> None:
         import ray
+        from ray.exceptions import GetTimeoutError
         from ray.util import placement_group
 
         rc = self.cfg.ray
@@ -153,7 +160,7 @@ class RayLauncher:
         self.pg = placement_group(bundles, strategy=rc.strategy, name=f"sluice-{self.cfg.run.name}")
         try:
             ray.get(self.pg.ready(), timeout=rc.ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        except GetTimeoutError:
             raise RuntimeError(
                 f"Ray did not grant the placement group within {rc.ready_timeout_s:.0f}s: asked for "
                 f"{bundles} ({rc.strategy}); the cluster has {ray.cluster_resources()}"
@@ -166,6 +173,9 @@ class RayLauncher:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        pg = self.pg
+        if pg is None:
+            raise RuntimeError("ray launcher: no placement group to start actors in (start() makes it)")
         for p in placed:
             res: RoleResources = getattr(self.cfg.ray, p.role)
             p.actor = self.actor_class.options(
@@ -175,7 +185,7 @@ class RayLauncher:
                 max_concurrency=2,
                 max_restarts=0,  # the driver replaces failed roles itself (see _on_exit)
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=p.bundle
+                    placement_group=pg, placement_group_bundle_index=p.bundle
                 ),
             ).remote(p.role, p.index, str(self.run_dir))
         nodes = ray.get([p.actor.node.remote() for p in placed], timeout=self.cfg.ray.ready_timeout_s)
@@ -191,13 +201,13 @@ class RayLauncher:
         cfg = self.cfg.model_copy(deep=True)
         shards = [p for p in self.placed if p.role == "buffer"]
         shard_ports = ray.get([p.actor.reserve_ports.remote(1) for p in shards])
-        cfg.buffer.endpoints = [f"tcp://{p.node['ip']}:{ports[0]}" for p, ports in zip(shards, shard_ports)]
+        cfg.buffer.endpoints = [f"tcp://{p.node_ip()}:{ports[0]}" for p, ports in zip(shards, shard_ports)]
         cfg.buffer.bind = [f"tcp://*:{ports[0]}" for ports in shard_ports]
         learner = self._get("learner")
         control_port, store_port = ray.get(learner.actor.reserve_ports.remote(2))
-        cfg.control.host, cfg.control.port = learner.node["ip"], control_port
+        cfg.control.host, cfg.control.port = learner.node_ip(), control_port
         cfg.control.bind = f"tcp://*:{control_port}"
-        cfg.weight_sync.master_addr, cfg.weight_sync.master_port = learner.node["ip"], store_port
+        cfg.weight_sync.master_addr, cfg.weight_sync.master_port = learner.node_ip(), store_port
         return cfg
 
     def _get(self, name: str) -> Placed:
@@ -270,13 +280,14 @@ class RayLauncher:
         """A role's `run` returned or its process died. Returns the run's exit code when this
         ends the run, None when the run goes on."""
         import ray
+        from ray.exceptions import RayActorError, RayTaskError
 
         ref, p.ref = p.ref, None
         try:
             rc, error = ray.get(ref), None
-        except ray.exceptions.RayActorError as e:
+        except RayActorError as e:
             rc, error = None, f"process died: {str(e).splitlines()[0]}"
-        except ray.exceptions.RayTaskError as e:
+        except RayTaskError as e:
             rc, error = None, f"failed: {str(e).strip().splitlines()[-1]}"
         self._record("exit", p, rc=rc, error=error)
         error = escape(error) if error is not None else None  # printed as rich markup below

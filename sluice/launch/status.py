@@ -17,11 +17,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.console import JustifyMethod
 from rich.table import Table
 
 from sluice.buffer.client import BufferClient
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
+from sluice.control.messages import ServiceStatus
 from sluice.rpc import RpcError, RpcTimeout
 from sluice.security import secure_context
 
@@ -90,7 +92,7 @@ def _control_rows(cfg: RunConfig, snap: Snapshot, ctx, timeout_s: float) -> tupl
         staleness=status.learner.get("staleness_mean"),
     )
     # A service heartbeats as `<role>.<incarnation>`: show each role once, by its newest life.
-    newest: dict[str, object] = {}
+    newest: dict[str, ServiceStatus] = {}
     for sid, s in status.services.items():
         role = sid.split(".", 1)[0]
         if role not in newest or s.age_s < newest[role].age_s:
@@ -121,6 +123,8 @@ def _shard_row(cfg: RunConfig, shard: int, snap: Snapshot, ctx, timeout_s: float
         return RoleRow(f"buffer-{shard}", "unreachable")
     finally:
         client.close()
+    if reply is None:  # (stats() gives None only when told missing_ok)
+        return RoleRow(f"buffer-{shard}", "unreachable")
     st = reply.stats
     versions = [int(v) for v, n in reply.versions.items() if n > 0]
     lv = snap.learner.get("version")
@@ -165,7 +169,7 @@ def render(snap: Snapshot, title: str = "") -> Table:
         else "control plane unreachable"
     )
     table = Table(title=title or None, caption=caption, expand=False)
-    for name, justify in [
+    columns: list[tuple[str, JustifyMethod]] = [
         ("role", "left"),
         ("state", "left"),
         ("version", "right"),
@@ -176,7 +180,8 @@ def render(snap: Snapshot, title: str = "") -> Table:
         ("heartbeat", "right"),
         ("pid", "right"),
         ("metrics", "right"),
-    ]:
+    ]
+    for name, justify in columns:
         table.add_column(name, justify=justify)
     for r in snap.rows:
         fill = f"{100 * r.fill:.0f}% ({r.queued} queued)" if r.fill is not None else ""
