@@ -6,24 +6,7 @@ from typing import TypeVar
 
 import zmq
 
-from sluice.control.messages import (
-    AdmitReply,
-    AdmitRequest,
-    HeartbeatReply,
-    HeartbeatRequest,
-    JoinReply,
-    JoinRequest,
-    LeaveReply,
-    LeaveRequest,
-    RefundReply,
-    RefundRequest,
-    StatusReply,
-    StatusRequest,
-    SyncOutcome,
-    SyncReportReply,
-    SyncReportRequest,
-    reply_decoder,
-)
+from sluice.control import messages as msg
 from sluice.rpc import RpcConnection
 from sluice.wire.codec import ProtocolError
 from sluice.wire.messages import PROTO_VERSION
@@ -35,7 +18,7 @@ class ControlClient:
     def __init__(self, endpoint: str, *, timeout_s: float = 10.0, ctx: zmq.Context | None = None) -> None:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
-        self.conn = RpcConnection(self.ctx, endpoint, name="control", reply_decoder=reply_decoder)
+        self.conn = RpcConnection(self.ctx, endpoint, name="control", reply_decoder=msg.reply_decoder)
         self.timeout_s = timeout_s
 
     def _call(self, request_type: type, reply_type: type[R], timeout_s: float | None = None, **fields) -> R:
@@ -49,41 +32,43 @@ class ControlClient:
             )
         return reply
 
-    def admit(self, service_id: str, n: int, group_size: int, wait_ms: int = 0) -> AdmitReply:
+    def admit(self, service_id: str, n: int, group_size: int, wait_ms: int = 0) -> msg.AdmitReply:
         """`wait_ms` > 0 long-polls: the reply comes when quota frees up or after wait_ms."""
         return self._call(
-            AdmitRequest, AdmitReply, self.timeout_s + wait_ms / 1000,
+            msg.AdmitRequest, msg.AdmitReply, self.timeout_s + wait_ms / 1000,
             service_id=service_id, n=n, group_size=group_size, wait_ms=wait_ms,
         )  # fmt: skip
 
     def refund(self, service_id: str, n: int) -> None:
-        self._call(RefundRequest, RefundReply, service_id=service_id, n=n)
+        self._call(msg.RefundRequest, msg.RefundReply, service_id=service_id, n=n)
 
     def heartbeat(
         self, service_id: str, role: str, stats: dict[str, float], delivered: int = -1
-    ) -> HeartbeatReply:
+    ) -> msg.HeartbeatReply:
         return self._call(
-            HeartbeatRequest,
-            HeartbeatReply,
+            msg.HeartbeatRequest,
+            msg.HeartbeatReply,
             service_id=service_id,
             role=role,
             stats=stats,
             delivered=delivered,
         )
 
-    def status(self) -> StatusReply:
-        return self._call(StatusRequest, StatusReply)
+    def status(self) -> msg.StatusReply:
+        return self._call(msg.StatusRequest, msg.StatusReply)
 
     # -- weight-sync membership ------------------------------------------------------------------
 
-    def join(self, service_id: str, incarnation: str, held_version: int, device: str = "cpu") -> JoinReply:
+    def join(
+        self, service_id: str, incarnation: str, held_version: int, device: str = "cpu"
+    ) -> msg.JoinReply:
         return self._call(
-            JoinRequest, JoinReply, service_id=service_id, incarnation=incarnation,
+            msg.JoinRequest, msg.JoinReply, service_id=service_id, incarnation=incarnation,
             held_version=held_version, device=device,
         )  # fmt: skip
 
-    def leave(self, service_id: str, incarnation: str) -> LeaveReply:
-        return self._call(LeaveRequest, LeaveReply, service_id=service_id, incarnation=incarnation)
+    def leave(self, service_id: str, incarnation: str) -> msg.LeaveReply:
+        return self._call(msg.LeaveRequest, msg.LeaveReply, service_id=service_id, incarnation=incarnation)
 
     def sync_report(
         self,
@@ -92,11 +77,11 @@ class ControlClient:
         *,
         epoch: int,
         version: int,
-        outcome: SyncOutcome,
+        outcome: msg.SyncOutcome,
         error: str = "",
     ) -> None:
         self._call(
-            SyncReportRequest, SyncReportReply, service_id=service_id, incarnation=incarnation,
+            msg.SyncReportRequest, msg.SyncReportReply, service_id=service_id, incarnation=incarnation,
             epoch=epoch, version=version, outcome=outcome, error=error,
         )  # fmt: skip
 
