@@ -37,7 +37,8 @@ def test_two_policies_train_in_one_run_on_their_own_streams(tmp_path):
         config="cartpole.yaml",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for suffix, service in (("", "rollout-0/"), ("-right", "rollout-1/")):
+    # group ids start with the service incarnation that made them: rollout-<i>.<hex>/<unroll>
+    for suffix, service in (("", "rollout-0."), ("-right", "rollout-1.")):
         steps = read_jsonl(run_dir / "metrics" / f"learner{suffix}.jsonl")
         assert [s["version"] for s in steps] == list(range(1, 9))  # its own version counter
         trained = [
