@@ -94,7 +94,7 @@ def connect(
     buffer = BufferClient(
         cfg.buffer.all_endpoints(), should_abort=lambda: stop.is_set() or weights.done, ctx=zmq_ctx
     )
-    control = ControlClient(cfg.control.endpoint, ctx=zmq_ctx)
+    control = ControlClient(cfg.control.endpoint, ctx=zmq_ctx, patience_s=cfg.control.learner_patience_s)
     return ActorConnections(weights, buffer, control, prom, zmq_ctx)
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 import zmq
 from helpers.wait import wait_until
-from helpers.wire import raw_request
+from helpers.wire import RawPeer, raw_request
 
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.client import ControlClient
@@ -182,3 +183,60 @@ def test_closing_answers_parked_admits():
         server.close()
     thread.join(timeout=10)
     assert out and out[0].granted == 0
+
+
+def test_a_paused_learner_is_waited_for_and_a_re_sent_admit_is_granted_once(control):
+    """The learner holds the server (as a GC pause, a slow checkpoint or SIGSTOP would): the
+    client's ADMIT times out and is sent again with the same seq until the learner answers;
+    the quota is taken once, not once per send."""
+    server, _ = control
+    client = ControlClient(server.endpoint, timeout_s=0.3, patience_s=30)
+    got: list = []
+    try:
+        with server._lock:  # the learner side is busy: nothing is dispatched
+            thread = threading.Thread(target=lambda: got.append(client.admit("rollout-0.a", 4, 4)))
+            thread.start()
+            thread.join(1.2)  # ~4 sends, each timed out
+            assert thread.is_alive() and not got
+        thread.join(10)
+        assert got and got[0].granted == 4
+        assert server.admission.started == 4 == server.admission.per_service["rollout-0.a"]
+        client.refund("rollout-0.a", 4)
+        assert server.admission.started == 0
+    finally:
+        client.close()
+
+
+def test_a_client_without_patience_times_out(control):
+    server, _ = control
+    client = ControlClient(server.endpoint, timeout_s=0.2)
+    try:
+        with server._lock, pytest.raises(TimeoutError):
+            client.admit("rollout-0.a", 4, 4)
+    finally:
+        client.close()
+
+
+def test_repeats_of_a_sequenced_request_are_answered_once(control, zmq_ctx):
+    """By hand: a parked ADMIT re-sent takes the original's place; a repeat of an answered
+    seq gets the same reply (nothing granted twice); a REFUND repeated refunds once."""
+    server, _ = control
+    admit = {"op": "ADMIT", "proto": 1, "service_id": "r.x", "n": 8, "group_size": 4, "seq": 1}
+    with RawPeer(zmq_ctx, server.endpoint) as peer:
+        assert peer.request({**admit, "id": 1})["granted"] == 8  # the whole quota (batch 8)
+        assert peer.request({**admit, "id": 2})["granted"] == 8  # a repeat: same answer
+        assert server.admission.started == 8
+        wait = {**admit, "seq": 2, "wait_ms": 5000}
+        peer.sock.send_multipart([b"", msgspec.msgpack.encode({**wait, "id": 3})])
+        peer.sock.send_multipart([b"", msgspec.msgpack.encode({**wait, "id": 4})])  # re-sent
+        wait_until(lambda: len(server._parked) == 1, 5, "one parked ADMIT")
+        server.set_published(1)  # quota for 8 more
+        assert peer.sock.poll(5000)
+        (_, header) = peer.sock.recv_multipart()
+        reply = msgspec.msgpack.decode(header)
+        assert reply["id"] == 4 and reply["granted"] == 8 and not peer.sock.poll(300)
+        assert server.admission.started == 16
+        refund = {"op": "REFUND", "proto": 1, "service_id": "r.x", "n": 4, "seq": 3}
+        peer.request({**refund, "id": 5})
+        peer.request({**refund, "id": 6})
+        assert server.admission.started == 12

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import psutil
@@ -129,3 +130,27 @@ def test_bad_config_gives_one_line_error_naming_the_key(tmp_path):
     assert "learner.loss.type" in line and "grpo" in line
     proc = sluice_run(tmp_path / "run", "learner.lerning_rate=1", timeout=60)
     assert proc.returncode == 2 and "learner.lerning_rate: unknown key" in proc.stderr
+
+
+def test_a_learner_paused_20s_costs_no_rollout_restart(tmp_path, process_reaper):
+    """SIGSTOP the learner for longer than a control-plane time-out (10 s): rollout services
+    keep asking (same seq, answered once) instead of dying, and training goes on after SIGCONT."""
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "learner.total_steps=100000")
+    process_reaper.append(proc)
+    records = [run_dir / "endpoints" / name for name in ("learner.json", "rollout-0.json", "rollout-1.json")]
+    wait_until(lambda: learner_steps(run_dir) >= 5 and all(r.exists() for r in records), proc, "5 steps")
+    pids = {r.stem: json.loads(r.read_text())["pid"] for r in records}
+    os.kill(pids["learner"], signal.SIGSTOP)
+    try:
+        paused_at = learner_steps(run_dir)
+        time.sleep(20)  # the pause is the scenario: longer than control.timeout (10 s)
+    finally:
+        os.kill(pids["learner"], signal.SIGCONT)
+    wait_until(lambda: learner_steps(run_dir) >= paused_at + 10, proc, "10 steps after the pause")
+    events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
+    assert not [e for e in events if e.get("event") == "restarted"], events
+    assert all(psutil.pid_exists(pids[r]) for r in ("rollout-0", "rollout-1"))
+    assert {r.stem: json.loads(r.read_text())["pid"] for r in records} == pids  # the same processes
+    os.kill(proc.pid, signal.SIGINT)
+    proc.wait(timeout=60)

@@ -26,6 +26,11 @@ class ControlConfig(Section):
     """A rollout service silent this long is gone (killed, crashed): the quota it was admitted
     for and did not deliver goes back, so the other services keep going. Keep it well above
     heartbeat_s."""
+    learner_patience_s: float = Field(default=300.0, ge=0)
+    """How long a rollout service keeps asking a learner that does not answer an ADMIT or a
+    REFUND (paused by a GC, a slow checkpoint, a debugger, SIGSTOP) before it gives up and
+    exits. Re-sent requests carry the same sequence number, so the learner grants or refunds
+    each once. 0: no retry (the first time-out ends the service)."""
 
     @property
     def endpoint(self) -> str:

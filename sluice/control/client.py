@@ -2,24 +2,53 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
+import time
 from typing import TypeVar
 
 import zmq
 
 from sluice.control import messages as msg
-from sluice.rpc import RpcConnection
+from sluice.rpc import RpcConnection, RpcTimeout
 from sluice.wire.codec import ProtocolError
 from sluice.wire.messages import PROTO_VERSION
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 class ControlClient:
-    def __init__(self, endpoint: str, *, timeout_s: float = 10.0, ctx: zmq.Context | None = None) -> None:
+    """`patience_s` > 0: an ADMIT or REFUND the learner does not answer within `timeout_s` is
+    sent again, with the same sequence number, until `patience_s` has passed (a paused learner
+    is waited for; the server answers a repeat once). 0: the first time-out raises."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout_s: float = 10.0,
+        ctx: zmq.Context | None = None,
+        patience_s: float = 0.0,
+    ) -> None:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.conn = RpcConnection(self.ctx, endpoint, name="control", reply_decoder=msg.reply_decoder)
         self.timeout_s = timeout_s
+        self.patience_s = patience_s
+        self._seq = itertools.count(1)
+
+    def _call_patiently(self, request_type: type, reply_type: type[R], timeout_s: float, **fields) -> R:
+        """`_call` with this client's next sequence number, re-sent on time-outs (class docstring)."""
+        seq = next(self._seq) if self.patience_s > 0 else 0
+        give_up = time.monotonic() + self.patience_s
+        while True:
+            try:
+                return self._call(request_type, reply_type, timeout_s, seq=seq, **fields)
+            except RpcTimeout as e:
+                if time.monotonic() + timeout_s > give_up:
+                    raise
+                log.warning("%s; asking again (seq %d, giving up after %.0fs)", e, seq, self.patience_s)
 
     def _call(self, request_type: type, reply_type: type[R], timeout_s: float | None = None, **fields) -> R:
         """Send one request of `request_type` (proto and id filled in) and return the reply, which
@@ -34,13 +63,13 @@ class ControlClient:
 
     def admit(self, service_id: str, n: int, group_size: int, wait_ms: int = 0) -> msg.AdmitReply:
         """`wait_ms` > 0 long-polls: the reply comes when quota frees up or after wait_ms."""
-        return self._call(
+        return self._call_patiently(
             msg.AdmitRequest, msg.AdmitReply, self.timeout_s + wait_ms / 1000,
             service_id=service_id, n=n, group_size=group_size, wait_ms=wait_ms,
         )  # fmt: skip
 
     def refund(self, service_id: str, n: int) -> None:
-        self._call(msg.RefundRequest, msg.RefundReply, service_id=service_id, n=n)
+        self._call_patiently(msg.RefundRequest, msg.RefundReply, self.timeout_s, service_id=service_id, n=n)
 
     def heartbeat(
         self, service_id: str, role: str, stats: dict[str, float], delivered: int = -1

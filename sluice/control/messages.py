@@ -28,6 +28,10 @@ class AdmitRequest(_Request, tag="ADMIT"):
     # W: rollout. R: server: with nothing to grant, hold the request up to this long and answer
     # as soon as quota frees up (a publish, a release, a refund); 0 answers at once.
     wait_ms: int = 0
+    # W: rollout, its own count of ADMITs (1, 2, ...) kept when it re-sends one that was not
+    # answered in time. R: server: a repeat of the last answered seq gets the same answer again
+    # (nothing is granted twice); 0: not retried, never deduplicated.
+    seq: int = 0
 
 
 class RefundRequest(_Request, tag="REFUND"):
@@ -35,6 +39,7 @@ class RefundRequest(_Request, tag="REFUND"):
 
     service_id: str
     n: int
+    seq: int = 0  # as for ADMIT (the two share one count per service): a re-sent REFUND counts once
 
 
 class HeartbeatRequest(_Request, tag="HEARTBEAT"):

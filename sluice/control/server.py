@@ -26,8 +26,9 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Literal, Protocol, overload
+from typing import Literal, Protocol, TypeVar, overload
 
+import msgspec
 import zmq
 
 from sluice.control.admission import AdmissionPolicy
@@ -56,6 +57,7 @@ from sluice.wire import codec
 from sluice.wire.messages import PROTO_VERSION
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R", AdmitReply, RefundReply)
 
 MEMBERSHIP_REQUESTS = (JoinRequest, LeaveRequest, SyncReportRequest)
 
@@ -91,6 +93,9 @@ class ControlServer:
         self.service_timeout_s = service_timeout_s
         self._last_seen: dict[str, float] = {}
         self._delivered: dict[str, int] = {}
+        # per service: the last ADMIT/REFUND answered with a seq, as (seq, reply): a re-send of
+        # that seq (its answer was late) gets the same reply again instead of a second grant
+        self._answered: dict[str, tuple[int, AdmitReply | RefundReply]] = {}
         self.services_gone = 0
         self._lock = threading.Lock()
         self._version = 0
@@ -186,9 +191,18 @@ class ControlServer:
             return
         reply = self._handle(body)
         if isinstance(reply, _Park):
-            self._parked.append((envelope, reply.request, time.monotonic() + reply.request.wait_ms / 1000))
+            self._park(envelope, reply.request)
             return
         self.sock.send_multipart([*envelope, *codec.encode(reply)])
+
+    def _park(self, envelope: list[bytes], req: AdmitRequest) -> None:
+        """Hold an ADMIT for quota. A re-send of a parked one takes its place: the client
+        waits for the re-send's reply (it dropped the original's id)."""
+        if req.seq > 0:
+            self._parked = deque(
+                p for p in self._parked if (p[1].service_id, p[1].seq) != (req.service_id, req.seq)
+            )
+        self._parked.append((envelope, req, time.monotonic() + req.wait_ms / 1000))
 
     def _serve_parked(self) -> None:
         """Answer parked ADMITs in arrival order: those quota now admits, and those whose wait
@@ -220,6 +234,7 @@ class ControlServer:
                 released = self.admission.forget(sid, self._delivered.pop(sid, 0))
                 del self._last_seen[sid]
                 self._services.pop(sid, None)
+                self._answered.pop(sid, None)
                 self.services_gone += 1
                 log.warning(
                     "control: %s silent for %.0fs, gone; released %d samples of quota",
@@ -232,13 +247,15 @@ class ControlServer:
         p = PROTO_VERSION
         if hasattr(req, "service_id"):
             self._last_seen[req.service_id] = time.monotonic()
+        if isinstance(req, AdmitRequest | RefundRequest) and (again := self._answered_before(req)):
+            return again
         if isinstance(req, AdmitRequest):
             return self._admit(req, park=req.wait_ms > 0)
         if isinstance(req, RefundRequest):
             if req.n < 0:
                 raise ValueError(f"n={req.n} must be >= 0")
             self.admission.refund(req.service_id, req.n)
-            return RefundReply(proto=p, id=req.id)
+            return self._remember(req, RefundReply(proto=p, id=req.id))
         if isinstance(req, HeartbeatRequest):
             self._services[req.service_id] = (req.role, time.monotonic(), dict(req.stats))
             if req.delivered >= 0:
@@ -283,7 +300,7 @@ class ControlServer:
         granted = self.admission.admit(req.service_id, req.n, req.group_size, self._published)
         if granted == 0 and park:
             return _Park(req)
-        return AdmitReply(
+        reply = AdmitReply(
             proto=PROTO_VERSION,
             id=req.id,
             granted=granted,
@@ -291,6 +308,23 @@ class ControlServer:
             weights_version=self._published,
             retry_after_ms=0 if granted >= req.n or req.wait_ms > 0 else self.retry_after_ms,
         )
+        return self._remember(req, reply) if granted else reply
+
+    def _remember(self, req: AdmitRequest | RefundRequest, reply: _R) -> _R:
+        """Under the lock: keep the answer to a sequenced request for its re-send."""
+        if req.seq > 0:
+            self._answered[req.service_id] = (req.seq, reply)
+        return reply
+
+    def _answered_before(self, req: AdmitRequest | RefundRequest) -> AdmitReply | RefundReply | None:
+        """The answer already given to this (service, seq), under the re-send's id, or None."""
+        seq, reply = self._answered.get(req.service_id, (0, None))
+        if req.seq <= 0 or seq != req.seq or reply is None:
+            return None
+        expected = AdmitReply if isinstance(req, AdmitRequest) else RefundReply
+        if not isinstance(reply, expected):
+            raise codec.ProtocolError("BAD_HEADER", f"seq {req.seq} of {req.service_id} was another op")
+        return msgspec.structs.replace(reply, id=req.id)
 
     def _membership_op(self, req):
         if self._membership is None:
