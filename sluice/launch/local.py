@@ -12,6 +12,8 @@ any other role that dies unexpectedly fails the run loudly with its log tail.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import subprocess
@@ -37,6 +39,8 @@ from sluice.modeling.policy import materialize_policy_dir
 from sluice.net import free_port
 from sluice.plots import write_run_plots
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Child:
@@ -52,23 +56,34 @@ class Child:
 
 @dataclass
 class Tail:
-    """Incremental reader of a JSONL metrics file."""
+    """Incremental reader of a JSONL metrics file. A learner that resumes rewrites its file
+    shorter (learner/metrics.py): a new file (another inode) or one shorter than what was read
+    is read again from its start, and a line that is not JSON is skipped with a warning."""
 
     path: Path
     offset: int = 0
+    inode: int = -1
     last: dict = field(default_factory=dict)
 
     def poll(self) -> list[dict]:
-        import json
-
-        if not self.path.is_file():
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
             return []
-        with self.path.open() as fh:
+        if stat.st_ino != self.inode or stat.st_size < self.offset:
+            self.inode, self.offset = stat.st_ino, 0
+        with self.path.open("rb") as fh:
             fh.seek(self.offset)
             chunk = fh.read()
-        complete = chunk[: chunk.rfind("\n") + 1]
-        self.offset += len(complete.encode())
-        records = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        records = []
+        for line in complete.splitlines():
+            try:
+                if line.strip():
+                    records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                log.warning("%s: skipped a line that is not JSON (%s)", self.path, e)
         if records:
             self.last = records[-1]
         return records
