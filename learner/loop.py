@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -274,6 +274,7 @@ class Learner:
             return
         fetched = step.rank0_fetched()
         self.control.release(step.violations)  # dropped samples were released as they came
+        self.control.seen(Counter(t.group_id.split("/", 1)[0] for t in fetched.leased.trajs))
         self.ledger.add(fetched.leased, step.skipped, fetched.leased_at)
         if self.audit is not None:
             self.audit.write(

@@ -235,7 +235,9 @@ class ActorLoop:
             return want, 0.0
         t0 = time.perf_counter()
         while not self.stop.is_set() and not self.weights.done:
-            reply = self.control.admit(self.control_id, want, group_size, self.cfg.control.admit_wait_ms)
+            reply = self.control.admit(
+                self.control_id, want, group_size, self.cfg.control.admit_wait_ms, delivered=self.delivered
+            )
             self.weights.observe(reply.weights_version)
             if reply.granted:
                 if not self.wait_for_published:

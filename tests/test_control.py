@@ -240,3 +240,30 @@ def test_repeats_of_a_sequenced_request_are_answered_once(control, zmq_ctx):
         peer.request({**refund, "id": 5})
         peer.request({**refund, "id": 6})
         assert server.admission.started == 12
+
+
+@pytest.mark.parametrize("last_batch_put", [True, False])
+def test_a_dead_service_is_credited_with_what_it_delivered_not_its_last_heartbeat(zmq_ctx, last_batch_put):
+    """Released quota = admitted - delivered, exactly: the count comes from the service's newest
+    report (its ADMITs carry it, not only its heartbeats) or from what reached the learner,
+    whichever is more (a batch PUT after its last report). Releasing more would let the run
+    hold more samples in flight than the bound for the rest of the run."""
+    server = ControlServer(
+        "tcp://127.0.0.1:*",
+        AdmissionPolicy(batch_size=64, max_staleness=3),
+        service_timeout_s=0.5,
+        ctx=zmq_ctx,
+    )
+    server.start()
+    client = ControlClient(server.endpoint, timeout_s=5)
+    try:
+        client.heartbeat("r.a", "rollout", {}, delivered=0)
+        for delivered in (0, 16, 32):  # a batch of 16 PUT between ADMITs
+            assert client.admit("r.a", 16, 4, delivered=delivered).granted == 16
+        server.seen({"r.a": 48 if last_batch_put else 32})  # the learner's count of its samples
+        wait_until(lambda: server.services_gone == 1, 10, "the silent service forgotten")
+        assert server.admission.released_gone == (0 if last_batch_put else 16)
+        assert server.admission.started == (48 if last_batch_put else 32)
+    finally:
+        client.close()
+        server.close()

@@ -14,7 +14,11 @@ straggler overtaken by faster services can still age past the bound; the learner
 
 Quota comes back when admitted samples will never be consumed: refunds (a service aborted or
 filtered them), `release` (the buffer or the learner dropped them as stale), and `forget` (the
-service is gone: what it was admitted but did not deliver).
+service is gone: what it was admitted but did not deliver). `forget` must be exact: quota given
+back for samples that were in fact delivered lets that many more samples be in flight than the
+bound for the rest of the run (each of them, dropped as stale, gives its quota back again), so
+the control server credits a dead service with the most it is known to have delivered (its
+newest ADMIT or heartbeat, or its samples that reached the learner).
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ class AdmitRequest(_Request, tag="ADMIT"):
     # answered in time. R: server: a repeat of the last answered seq gets the same answer again
     # (nothing is granted twice); 0: not retried, never deduplicated.
     seq: int = 0
+    # W: rollout, samples it has PUT so far (as in HEARTBEAT; -1: not said). R: server, the
+    # count a service that dies is credited with (the newest of its ADMITs and heartbeats)
+    delivered: int = -1
 
 
 class RefundRequest(_Request, tag="REFUND"):

@@ -92,7 +92,8 @@ class ControlServer:
         self.retry_after_ms = retry_after_ms
         self.service_timeout_s = service_timeout_s
         self._last_seen: dict[str, float] = {}
-        self._delivered: dict[str, int] = {}
+        self._delivered: dict[str, int] = {}  # per service: samples it says it PUT (ADMIT, HEARTBEAT)
+        self._seen: dict[str, int] = {}  # per service: its samples that reached the learner
         # per service: the last ADMIT/REFUND answered with a seq, as (seq, reply): a re-send of
         # that seq (its answer was late) gets the same reply again instead of a second grant
         self._answered: dict[str, tuple[int, AdmitReply | RefundReply]] = {}
@@ -129,6 +130,15 @@ class ControlServer:
         with self._lock:
             self._published = version
         self._wake()
+
+    def seen(self, counts: dict[str, int]) -> None:
+        """The learner reports how many samples of each service (its incarnation id, which starts
+        every group id) reached it: what a dead service is credited with when that is more than
+        it last reported (samples it PUT after its last report)."""
+        with self._lock:
+            for sid, n in counts.items():
+                if sid in self._last_seen:
+                    self._seen[sid] = self._seen.get(sid, 0) + n
 
     def release(self, n: int) -> None:
         """The learner reports samples that were dropped instead of consumed."""
@@ -231,7 +241,8 @@ class ControlServer:
         with self._lock:
             gone = [sid for sid, t in self._last_seen.items() if now - t > self.service_timeout_s]
             for sid in gone:
-                released = self.admission.forget(sid, self._delivered.pop(sid, 0))
+                delivered = max(self._delivered.pop(sid, 0), self._seen.pop(sid, 0))
+                released = self.admission.forget(sid, delivered)
                 del self._last_seen[sid]
                 self._services.pop(sid, None)
                 self._answered.pop(sid, None)
@@ -250,6 +261,8 @@ class ControlServer:
         if isinstance(req, AdmitRequest | RefundRequest) and (again := self._answered_before(req)):
             return again
         if isinstance(req, AdmitRequest):
+            if req.delivered >= 0:
+                self._delivered[req.service_id] = max(self._delivered.get(req.service_id, 0), req.delivered)
             return self._admit(req, park=req.wait_ms > 0)
         if isinstance(req, RefundRequest):
             if req.n < 0:
@@ -259,7 +272,7 @@ class ControlServer:
         if isinstance(req, HeartbeatRequest):
             self._services[req.service_id] = (req.role, time.monotonic(), dict(req.stats))
             if req.delivered >= 0:
-                self._delivered[req.service_id] = req.delivered
+                self._delivered[req.service_id] = max(self._delivered.get(req.service_id, 0), req.delivered)
             return HeartbeatReply(proto=p, id=req.id, version=self._version, weights_version=self._published)
         if isinstance(req, StatusRequest):
             now = time.monotonic()
