@@ -94,6 +94,7 @@ class ParkedGet:
     request: GetRequest
     deadline: float
     acked: int = 0  # what the request's `ack` deleted (told in its reply)
+    dropped: int = 0  # stale trajectories dropped by its earlier tries (told in its reply)
 
 
 class ShardServer:
@@ -178,7 +179,7 @@ class ShardServer:
         if timed_out:
             self.parked = [p for p in self.parked if p.deadline > now]
             for p in timed_out:
-                self._reply(p.envelope, GetReply(proto=PROTO_VERSION, id=p.request.id, acked=p.acked))
+                self._reply(p.envelope, self._empty_get_reply(p))
         self.log.tick(time.monotonic(), self.store.held_bytes, self._snapshot)
         if self.metrics is not None and now - self._last_metrics > 0.5:
             self._last_metrics = now
@@ -471,22 +472,22 @@ class ShardServer:
                 "TOO_LARGE", f"ack: {len(req.ack)} leases > max_batch {self.cfg.max_batch}"
             )
         acked = sum(self._ack(lease_id)[0] for lease_id in req.ack)
-        if not self._try_get(envelope, req, now, reply_empty=req.wait_ms == 0, acked=acked):
-            self.parked.append(ParkedGet(envelope, req, now + req.wait_ms / 1000.0, acked))
+        get = ParkedGet(envelope, req, now + req.wait_ms / 1000.0, acked)
+        if not self._try_get(get, now, reply_empty=req.wait_ms == 0):
+            self.parked.append(get)
 
-    def _try_get(
-        self, envelope: Envelope, req: GetRequest, now: float, reply_empty: bool, acked: int = 0
-    ) -> bool:
-        """Lease for `req` and reply; or, if nothing is ready and not `reply_empty`, False (the
-        caller parks it). `acked`: what the request's `ack` deleted (told in the reply)."""
-        store = self._fifo("GET")
+    def _try_get(self, get: ParkedGet, now: float, reply_empty: bool) -> bool:
+        """Lease for the GET and reply; or, if nothing is ready and not `reply_empty`, False (the
+        caller parks it). Its reply tells what its `ack` deleted and every stale trajectory any
+        of its tries dropped (a try that parks drops too)."""
+        store, envelope, req = self._fifo("GET"), get.envelope, get.request
         lease, dropped = store.get(req.max_trajs, req.policy_id, req.min_version, now)
+        get.dropped += dropped
         self._log_drops()
         if lease is None and not reply_empty:
             return False
         if lease is None:
-            reply = GetReply(proto=PROTO_VERSION, id=req.id, dropped_stale=dropped, acked=acked)
-            self._reply(envelope, reply)
+            self._reply(envelope, self._empty_get_reply(get))
             return True
         by_ref = bool(req.token) and req.token == self.token
         refs, frames, segments = self._payload(lease.groups, by_ref)
@@ -496,9 +497,9 @@ class ShardServer:
             id=req.id,
             lease_id=lease.lease_id,
             trajs=[m for g in lease.groups for m in g.metas],
-            dropped_stale=dropped,
+            dropped_stale=get.dropped,
             refs=refs,
-            acked=acked,
+            acked=get.acked,
         )
         self._reply(envelope, reply, frames)
         return True
@@ -525,15 +526,18 @@ class ShardServer:
             self.refs_served += sum(r.segment >= 0 for r in refs)
         return refs, frames, segments
 
+    @staticmethod
+    def _empty_get_reply(get: ParkedGet) -> GetReply:
+        """A GET answered with nothing leased (nothing ready, its wait over, or cancelled)."""
+        return GetReply(proto=PROTO_VERSION, id=get.request.id, dropped_stale=get.dropped, acked=get.acked)
+
     def _serve_parked(self, now: float) -> None:
         if not self.parked:
             return
         store = self._fifo("GET")
         still = []
         for p in self.parked:
-            if not store.has_ready(p.request.policy_id) or not self._try_get(
-                p.envelope, p.request, now, reply_empty=False, acked=p.acked
-            ):
+            if not store.has_ready(p.request.policy_id) or not self._try_get(p, now, reply_empty=False):
                 still.append(p)
         self.parked = still
 
@@ -541,7 +545,7 @@ class ShardServer:
         found = [p for p in self.parked if p.envelope == envelope and p.request.id == req.target]
         if found:
             self.parked = [p for p in self.parked if p not in found]
-            self._reply(envelope, GetReply(proto=PROTO_VERSION, id=req.target, acked=found[0].acked))
+            self._reply(envelope, self._empty_get_reply(found[0]))
         self._reply(envelope, CancelReply(proto=PROTO_VERSION, id=req.id, cancelled=bool(found)))
 
     def _on_sample(self, envelope: Envelope, req: SampleRequest) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import msgspec
 import pytest
 import zmq
 from helpers.groups import make_group
+from helpers.wait import wait_until
 from helpers.wire import RawPeer
 
 from sluice.buffer.client import BufferClient, BufferError
@@ -238,3 +241,23 @@ def test_stale_samples_are_never_delivered_over_the_wire(shard_factory):
         assert sorted({t.version for t in batch.trajs}) == [4, 5]
         assert batch.dropped_stale == 8
         assert client.stats()[0].stats["dropped_stale"] == 8
+
+
+def test_stale_samples_dropped_while_a_get_waits_are_told_in_its_reply(shard_factory):
+    """A long-polled GET waits on an empty shard; stragglers too old for it arrive first (each
+    wakes it, is dropped, and it waits on), then a fresh group: its reply counts those drops
+    too (the learner gives their admission quota back from it)."""
+    shard = shard_factory()
+    with BufferClient([shard.endpoint], timeout_s=5) as producer, BufferClient([shard.endpoint]) as consumer:
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(consumer.get(100, min_version=5, wait_ms=8000)))
+        waiter.start()
+        try:
+            wait_until(lambda: producer.stats()[0].stats["parked_gets"] == 1, 5, "the GET parked")
+            for v in range(3):
+                producer.put(group(f"old{v}", v))  # 6 trajectories, all too old for min_version 5
+            wait_until(lambda: producer.stats()[0].stats["dropped_stale"] == 6, 5, "the stale groups dropped")
+            producer.put(group("fresh", 5))
+        finally:
+            waiter.join(10)
+        assert got and got[0].dropped_stale == 6 and [t.version for t in got[0].trajs] == [5, 5]
