@@ -258,11 +258,11 @@ class ControlServer:
         p = PROTO_VERSION
         if hasattr(req, "service_id"):
             self._last_seen[req.service_id] = time.monotonic()
+        if isinstance(req, AdmitRequest | HeartbeatRequest) and req.delivered >= 0:  # counts only grow
+            self._delivered[req.service_id] = max(self._delivered.get(req.service_id, 0), req.delivered)
         if isinstance(req, AdmitRequest | RefundRequest) and (again := self._answered_before(req)):
             return again
         if isinstance(req, AdmitRequest):
-            if req.delivered >= 0:
-                self._delivered[req.service_id] = max(self._delivered.get(req.service_id, 0), req.delivered)
             return self._admit(req, park=req.wait_ms > 0)
         if isinstance(req, RefundRequest):
             if req.n < 0:
@@ -271,8 +271,6 @@ class ControlServer:
             return self._remember(req, RefundReply(proto=p, id=req.id))
         if isinstance(req, HeartbeatRequest):
             self._services[req.service_id] = (req.role, time.monotonic(), dict(req.stats))
-            if req.delivered >= 0:
-                self._delivered[req.service_id] = max(self._delivered.get(req.service_id, 0), req.delivered)
             return HeartbeatReply(proto=p, id=req.id, version=self._version, weights_version=self._published)
         if isinstance(req, StatusRequest):
             now = time.monotonic()
