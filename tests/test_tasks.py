@@ -11,7 +11,8 @@ import torch
 
 from sluice.config.loader import ConfigError
 from sluice.config.model import VOCABULARIES
-from sluice.config.rollout import SimEngineConfig, TaskConfig
+from sluice.config.rollout import SimEngineConfig
+from sluice.config.task import TaskConfig
 from sluice.learner.batch import collate
 from sluice.rollout_svc.engines.base import SamplingParams
 from sluice.rollout_svc.engines.sim import SimEngine

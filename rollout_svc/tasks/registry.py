@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from sluice.config.loader import ConfigError, format_validation_error
-from sluice.config.rollout import TaskConfig
+from sluice.config.task import TaskConfig
 from sluice.rollout_svc.tasks.base import Task
 from sluice.rollout_svc.tasks.calculator import CalculatorTask
 from sluice.rollout_svc.tasks.dataset import DatasetTask

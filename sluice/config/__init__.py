@@ -7,9 +7,10 @@ from sluice.config.learner import GroupPorts, LearnerConfig, LossConfig
 from sluice.config.loader import ConfigError, dump_config, load_config
 from sluice.config.model import MLPModelInit, ModelConfig, TinyModelInit
 from sluice.config.ray import RayConfig, RoleResources
-from sluice.config.rollout import RolloutConfig, TaskConfig
+from sluice.config.rollout import RolloutConfig
 from sluice.config.run import MetricsConfig, RunConfig, RunSection
 from sluice.config.security import SecurityConfig
+from sluice.config.task import TaskConfig
 from sluice.config.weight_sync import WeightSyncConfig
 
 __all__ = [

@@ -1,19 +1,12 @@
-"""Rollout services: engine, sampling and the task they run."""
+"""Rollout services: engine and sampling (their task: sluice/config/task.py)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from sluice.config.base import Section
-
-
-class TaskConfig(Section):
-    name: str = "copy"
-    """Registered task (see rollout_svc.tasks.registry)."""
-    params: dict[str, Any] = {}
-    """Task-specific settings, validated by the task's own config model."""
 
 
 class VllmEngineConfig(Section):

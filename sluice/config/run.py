@@ -13,8 +13,9 @@ from sluice.config.env import EnvConfig
 from sluice.config.learner import LearnerConfig
 from sluice.config.model import ModelConfig
 from sluice.config.ray import RayConfig
-from sluice.config.rollout import RolloutConfig, TaskConfig
+from sluice.config.rollout import RolloutConfig
 from sluice.config.security import SecurityConfig
+from sluice.config.task import TaskConfig
 from sluice.config.weight_sync import WeightSyncConfig
 
 
