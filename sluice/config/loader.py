@@ -22,11 +22,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from sluice.config.errors import ConfigError as ConfigError  # raised by loading; re-exported
 from sluice.config.run import RunConfig
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used. The message names the key and what it allows."""
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
