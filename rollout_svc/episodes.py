@@ -1,6 +1,7 @@
 """From prompts to scored samples, single turn or multi turn, through any engine.
 
-Single turn: each prompt is completed `n` times in one engine call and each completion scored.
+Single turn: each prompt is completed `n` times in one engine call and each completion scored
+(scoring.py: the task's score or its reward functions, in a pool with deadlines).
 
 Multi turn: `n` episodes per prompt. Every turn, one engine call completes the context of each
 live episode (prompt + every earlier model turn and environment reply); the episode's
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sluice.rollout_svc.engines.base import Completion, Engine, InterruptPoll, SamplingParams, TokenCodec
-from sluice.rollout_svc.tasks.base import EnvReply, Episode, MultiTurnTask, Prompt, Task
+from sluice.rollout_svc.scoring import ScoredBatch, Scorer, ToScore
+from sluice.rollout_svc.tasks.base import EnvReply, Episode, MultiTurnTask, Prompt, Score
 from sluice.wire.messages import Scalar
 
 
@@ -53,30 +55,28 @@ class GroupRequest:
     truncated_reward: float | None  # the reward of a sample cut at its budget (None: as scored)
 
 
-def single_turn(engine: Engine, task: Task, req: GroupRequest) -> list[list[Sample]]:
-    prompts, n, truncated_reward = req.prompts, req.n, req.truncated_reward
-    groups = engine.generate(req.prompt_ids, n, req.params, req.interrupt)
+def single_turn(engine: Engine, scorer: Scorer, req: GroupRequest) -> tuple[list[list[Sample]], ScoredBatch]:
+    """Complete each prompt `n` times and score every completion (all of a batch's reward
+    calls at once). A group its scorer skips comes back empty."""
+    groups = engine.generate(req.prompt_ids, req.n, req.params, req.interrupt)
+    tok = engine.tokenizer
+    texts = [[tok.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in g] for g in groups]
+    scored = scorer.score(
+        [[ToScore(p, t, c.finished) for t, c in zip(ts, g)] for p, ts, g in zip(req.prompts, texts, groups)]
+    )
     out = []
-    for prompt, group in zip(prompts, groups):
-        samples = []
-        for c in group:
-            text = engine.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)
-            score = task.score(prompt, text, c.finished)
-            reward = score.reward if c.finished or truncated_reward is None else truncated_reward
-            samples.append(
-                Sample(
-                    c.token_ids,
-                    c.logprobs,
-                    c.versions,
-                    None,
-                    c.finished,
-                    reward,
-                    {**score.info, "truncated": not c.finished},
-                    c.discarded_tokens,
-                )
-            )
-        out.append(samples)
-    return out
+    for group, scores in zip(groups, scored.groups):
+        if scores is None:
+            out.append([])
+            continue
+        out.append([_sample(c, score, req.truncated_reward) for c, score in zip(group, scores)])
+    return out, scored
+
+
+def _sample(c: Completion, score: Score, truncated_reward: float | None) -> Sample:
+    reward = score.reward if c.finished or truncated_reward is None else truncated_reward
+    info = {**score.info, "truncated": not c.finished}
+    return Sample(c.token_ids, c.logprobs, c.versions, None, c.finished, reward, info, c.discarded_tokens)
 
 
 @dataclass

@@ -29,6 +29,7 @@ import typer
 from sluice.config.loader import ConfigError, load_config
 from sluice.config.run import RunConfig
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, resolve_index, run_role
+from sluice.learner.losses.plugin import check_loss
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False)
 
@@ -50,20 +51,27 @@ def _load(config: str, overrides: list[str] | None) -> RunConfig:
 
 
 def _validate_plugins(cfg: RunConfig) -> None:
-    """Fail before starting processes if the task (or environment) config is wrong."""
+    """Fail before starting processes if a plugin the config names does not resolve or its
+    settings are wrong: task, rewards, engine, environment (sluice/plugins.py)."""
     try:
+        check_loss(cfg.learner.loss)
         if cfg.rollout.kind == "env":
             from sluice.modeling.policy import env_spaces
 
             env_spaces(cfg.env.id, cfg.env.kwargs)
             return
+        from sluice.rollout_svc.engines.registry import ENGINES, user_engine
+        from sluice.rollout_svc.scoring import build_rewards
         from sluice.rollout_svc.tasks.registry import build_task
 
-        build_task(cfg.task, seed=0)
+        build_rewards(cfg.task, build_task(cfg.task, seed=0))
+        if cfg.rollout.engine not in ENGINES:
+            user_engine(cfg.rollout.engine)
     except ConfigError as e:
         raise _fail(str(e)) from None
-    except Exception as e:  # gymnasium raises many kinds for a bad id or kwargs
-        raise _fail(f"config error: env: {e}") from None
+    except Exception as e:  # gymnasium (bad id or kwargs) or a user's task raises many kinds
+        where = "env" if cfg.rollout.kind == "env" else f"task.name: {cfg.task.name!r}"
+        raise _fail(f"config error: {where}: {type(e).__name__}: {e}".splitlines()[0]) from None
 
 
 def _index(explicit: int | None) -> int:

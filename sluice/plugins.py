@@ -36,6 +36,12 @@ class PluginError(ConfigError):
     """A reference in the config that names nothing usable."""
 
 
+class UserCodeError(RuntimeError):
+    """A user's plugin failed while the run was going, in a way a restart would repeat (a
+    reward that raises under `on_error: fail`). Roles exit with EXIT_USER_CODE and launchers
+    do not restart them."""
+
+
 def is_reference(text: str) -> bool:
     """True for `module:attr` and `file.py:attr` (a colon is never part of a built-in name)."""
     return ":" in text

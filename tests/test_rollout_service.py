@@ -195,7 +195,7 @@ def test_overlong_prompts_are_skipped_and_refunded(tmp_path, shard_factory):
         tmp_path,
         shard_factory(),
         model={"init": {"vocab": "digits", "max_position_embeddings": 16}},
-        task={"name": "dataset", "params": {"path": str(data), "reward": "exact"}},
+        task={"name": "dataset", "params": {"path": str(data)}, "rewards": [{"fn": "exact"}]},
         rollout={"prompts_per_batch": 2, "sim": {"decode_step_s": 0.0, "eos_prob": 0.2}},
         learner={"batch_size": 64, "max_staleness": 3},
     )
@@ -225,3 +225,36 @@ def test_zero_variance_groups_are_dropped_and_their_quota_refunded(tmp_path, sha
     for t in got:
         groups.setdefault(t.group_id, []).append(t.reward)
     assert all(max(r) > min(r) for r in groups.values())
+
+
+def test_groups_a_reward_fails_on_are_skipped_counted_and_their_quota_refunded(tmp_path, shard_factory):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{d} =", "answer": str(d)}) + "\n" for d in range(4)))
+    (tmp_path / "rewards.py").write_text(
+        "def picky(prompt, completion, reference):\n"
+        "    if reference == '3':\n"
+        "        raise ValueError('cannot check 3')\n"
+        "    return 1.0\n"
+    )
+    cfg, _ = sim_config(
+        tmp_path,
+        shard_factory(),
+        task={
+            "name": "dataset",
+            "params": {"path": str(data)},
+            "rewards": [{"fn": f"{tmp_path}/rewards.py:picky"}],
+            "scoring": {"on_error": "skip_group"},
+        },
+        rollout={"prompts_per_batch": 4, "group_size": 2, "sim": {"decode_step_s": 0.0, "eos_prob": 0.2}},
+        learner={"batch_size": 64, "max_staleness": 3},
+    )
+    st = ServiceThread(cfg)
+    st.run_until(lambda s: s.totals.get("skipped_groups", 0) >= 3 and s.delivered >= 16)
+    assert st.drain.control.admission.started == st.service.delivered  # skipped groups' quota came back
+    got = st.buffered(cfg)
+    assert len(got) == st.service.delivered and all(t.reward == 1.0 for t in got)
+    assert not [
+        t
+        for t in got
+        if t.arrays["prompt_ids"].tolist()[1:2] == [st.service.producer.tokenizer.encode("3")[0]]
+    ]

@@ -95,10 +95,12 @@ def test_dataset_task_errors_name_the_problem(tmp_path):
     with pytest.raises(ConfigError, match="bad.jsonl:2: not JSON"):
         _task(bad)
     (tmp_path / "nofield.jsonl").write_text('{"question": "1"}\n')
-    with pytest.raises(ConfigError, match="no field 'solution'"):
+    with pytest.raises(
+        ConfigError, match=r"^config error: task.params.answer_field='solution': row 0 .*no such column"
+    ):
         _task(tmp_path / "nofield.jsonl")
-    with pytest.raises(ConfigError, match="task.params.reward"):
-        _task(bad, reward="nope")
+    with pytest.raises(ConfigError, match="task.params.reward: unknown key"):
+        _task(bad, reward="exact")  # rewards are task.rewards now, for every task
 
 
 def test_calculator_environment_by_hand():

@@ -1,11 +1,15 @@
-"""Engines by name; heavy imports happen only for the engine asked for (a sim service never
-imports torch)."""
+"""Engines by name or by reference; heavy imports happen only for the engine asked for (a sim
+service never imports torch). A user's engine is a `sluice.engines` entry point or a
+reference (sluice/plugins.py) to a callable `(cfg: RunConfig, seed: int) -> Engine`: an Engine
+subclass taking those two arguments, or a factory (docs/extending.md)."""
 
 from __future__ import annotations
 
 import importlib.util
 
+from sluice.config.errors import ConfigError
 from sluice.config.run import RunConfig
+from sluice.plugins import resolve
 from sluice.rollout_svc.engines.base import Engine
 
 ENGINES = ("hf", "vllm", "sim", "auto")
@@ -24,8 +28,23 @@ def resolve_engine(kind: str) -> str:
     return "vllm" if torch.cuda.is_available() else "hf"
 
 
+def user_engine(name: str):
+    """The factory a non-built-in `rollout.engine` names (a PluginError when it names none)."""
+    factory = resolve(name, "engines", "rollout.engine", {})
+    if not callable(factory):
+        raise ConfigError(
+            f"config error: rollout.engine: {name!r} is a {type(factory).__name__}, not callable"
+        )
+    return factory
+
+
 def build_engine(cfg: RunConfig, seed: int) -> Engine:
     kind = resolve_engine(cfg.rollout.engine)
+    if kind not in ENGINES:
+        engine = user_engine(kind)(cfg, seed)
+        if not isinstance(engine, Engine):
+            raise TypeError(f"rollout.engine={kind!r} built a {type(engine).__name__}, not a sluice Engine")
+        return engine
     if kind == "sim":
         from sluice.rollout_svc.engines.sim import SimEngine
 

@@ -17,6 +17,7 @@ from gymnasium.vector import AutoresetMode
 
 from sluice.config.env import EnvConfig
 from sluice.rollout_svc.envs.segment import Segment
+from sluice.rollout_svc.envs.spec import env_spec
 
 # obs [N, D] float32 -> (actions [N] int64, logits [N, A] float32, logprobs [N] float32)
 PolicyFn = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -26,7 +27,7 @@ class GymRunner:
     def __init__(self, cfg: EnvConfig, seed: int) -> None:
         self.cfg = cfg
         self.envs = gym.make_vec(
-            cfg.id,
+            env_spec(cfg.id),
             num_envs=cfg.num_envs,
             vectorization_mode="sync",
             vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP},

@@ -3,10 +3,10 @@
 A task is text in, text out: it writes prompts as text (tokenized with the model's tokenizer)
 and scores the decoded completion. Tasks are plugins: subclass `Task` (single turn) or
 `MultiTurnTask` (the environment replies, the model continues), give it a `Config` model for
-its `task.params`, and register it in `rollout_svc.tasks.registry`.
+its `task.params`, and name it in `task.name` by reference or entry point (docs/extending.md).
 
 Single turn: `sample(n)` prompts, the engine completes each `group_size` times, `score` gives
-each completion its reward.
+each completion its reward (or the reward functions of `task.rewards` do: scoring.py).
 
 Multi turn: `start(prompt)` opens an `Episode` per completion; after each model turn the
 episode's `respond` either replies (its text is appended to the context; those tokens are not
@@ -28,8 +28,10 @@ from sluice.wire.messages import Scalar
 @dataclass
 class Prompt:
     prompt_id: str  # unique within the service (becomes part of the group id)
-    text: str  # what the model is given
+    text: str  # what the model is given (the content of the last user message for chats)
     reference: Any  # what the reward function checks the completion against
+    messages: list[dict[str, str]] | None = None  # a chat: rendered by the tokenizer's chat template
+    row: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for reward functions
 
 
 @dataclass
@@ -39,9 +41,14 @@ class Score:
 
 
 class Task(ABC):
-    name: ClassVar[str]
+    name: ClassVar[str]  # in messages and metrics; default: the class name
     Config: ClassVar[type[Section]]
     multi_turn: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
 
     def __init__(self, config: Section, seed: int) -> None:
         self.config = config
@@ -55,10 +62,11 @@ class Task(ABC):
     def score(self, prompt: Prompt, completion: str, finished: bool) -> Score:
         """Reward of one completion; `finished` is False when it hit its token budget."""
 
-    @abstractmethod
     def vocabulary(self) -> set[str]:
-        """Every whitespace-separated token the task writes in prompts or expects in answers
-        (a word-level tokenizer must know them all)."""
+        """Every whitespace-separated token the task writes in prompts or expects in answers:
+        checked against a word-level tokenizer (model.init) at start. A task for a real
+        tokenizer may leave it empty."""
+        return set()
 
 
 @dataclass

@@ -1,13 +1,18 @@
-"""Single-turn prompts from a dataset on local disk, scored by a named reward function.
+"""Single-turn prompts from a dataset on local disk.
 
 Formats (`format: auto` picks by the path): a JSON Lines file (`.jsonl`), a Parquet file
 (`.parquet`, read with pyarrow), or a Hugging Face `datasets` dataset: a directory written by
 `Dataset.save_to_disk`, or any local path `datasets.load_dataset` reads (offline: nothing is
-downloaded). Each row gives the prompt (`prompt_field`, formatted into `template`) and the
-reference answer (`answer_field`).
+downloaded). Each row gives the prompt (`prompt_field`) and the reference answer
+(`answer_field`); its other columns go to reward functions as keyword arguments.
 
-Rewards: `math` (the final answer equals the reference by value; see `math_check.py`),
-`exact` (the completion, whitespace-normalised, equals the reference).
+A prompt is text (formatted into `template`) or a chat: a list of `{role, content}` messages,
+which the rollout service renders with the tokenizer's chat template (`chat: on` makes a text
+prompt the user message of a chat; `system_prompt` opens every chat that has no system
+message).
+
+The task's own score is the `math` reward (the final answer equals the reference by value;
+math_check.py); `task.rewards` replaces it with any reward functions (scoring.py).
 
 Each service walks the rows in its own seeded order (a fresh shuffle each epoch), so services
 do not all work on the same prompts at once.
@@ -24,7 +29,7 @@ from pydantic import Field
 
 from sluice.config.base import Section
 from sluice.rollout_svc.tasks.base import Prompt, Score, Task
-from sluice.rollout_svc.tasks.math_check import extract_answer, math_reward
+from sluice.rollout_svc.tasks.rewards import math
 
 
 class DatasetConfig(Section):
@@ -39,9 +44,13 @@ class DatasetConfig(Section):
     answer_field: str = "answer"
     """Column holding the reference answer."""
     template: str = "{prompt}"
-    """Prompt text; `{prompt}` is replaced by the row's question."""
-    reward: Literal["math", "exact"] = "math"
-    """Reward function: math (answers equal by value) or exact (string equality)."""
+    """Prompt text of a text prompt; `{prompt}` is replaced by the row's question."""
+    chat: Literal["auto", "on", "off"] = "auto"
+    """auto: a prompt that is a list of messages is a chat, a text prompt is plain text; on: a
+    text prompt is also sent as a chat (one user message); off: plain text only (a list of
+    messages is an error)."""
+    system_prompt: str | None = None
+    """System message put first in every chat that has none."""
     shuffle: bool = True
     """Walk the rows in a seeded random order (per service, per epoch)."""
     max_rows: int | None = Field(default=None, ge=1)
@@ -74,9 +83,12 @@ def read_rows(cfg: DatasetConfig) -> list[dict[str, Any]]:
         rows = _read_hf(path, cfg.split)
     rows = rows[: cfg.max_rows] if cfg.max_rows else rows
     for i, row in enumerate(rows):
-        for key in (cfg.prompt_field, cfg.answer_field):
+        for name, key in (("prompt_field", cfg.prompt_field), ("answer_field", cfg.answer_field)):
             if key not in row:
-                raise ValueError(f"{cfg.path}: row {i} has no field {key!r} (fields: {sorted(row)})")
+                raise ValueError(
+                    f"task.params.{name}={key!r}: row {i} of {cfg.path} has no such column "
+                    f"(columns: {sorted(row)})"
+                )
     if not rows:
         raise ValueError(f"{cfg.path}: no rows")
     return rows
@@ -107,6 +119,8 @@ class DatasetTask(Task):
         self.rows = read_rows(config)
         self._order: list[int] = []
         self._count = 0
+        for i, row in enumerate(self.rows):  # every prompt well formed, or an error now
+            self.prompt_of(i, row)
 
     def _next_row(self) -> int:
         if not self._order:
@@ -116,27 +130,52 @@ class DatasetTask(Task):
             self._order.reverse()  # pop() from the end walks the order front to back
         return self._order.pop()
 
-    def prompt_text(self, row: dict[str, Any]) -> str:
-        return self.config.template.format(prompt=row[self.config.prompt_field])
+    def prompt_of(self, index: int, row: dict[str, Any]) -> Prompt:
+        cfg = self.config
+        question = row[cfg.prompt_field]
+        extra = {k: v for k, v in row.items() if k not in (cfg.prompt_field, cfg.answer_field)}
+        pid = f"d{index}.{self._count}"
+        if isinstance(question, list):
+            if cfg.chat == "off":
+                raise ValueError(f"task.params.chat=off: row {index}'s {cfg.prompt_field!r} is a chat")
+            messages = _messages(question, index, cfg.prompt_field)
+        elif cfg.chat == "on":
+            messages = [{"role": "user", "content": cfg.template.format(prompt=question)}]
+        else:
+            return Prompt(pid, cfg.template.format(prompt=question), row[cfg.answer_field], row=extra)
+        if cfg.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+        return Prompt(pid, messages[-1]["content"], row[cfg.answer_field], messages=messages, row=extra)
 
     def sample(self, n: int) -> list[Prompt]:
         out = []
         for _ in range(n):
             i = self._next_row()
-            row = self.rows[i]
             self._count += 1
-            out.append(Prompt(f"d{i}.{self._count}", self.prompt_text(row), row[self.config.answer_field]))
+            out.append(self.prompt_of(i, self.rows[i]))
         return out
 
     def score(self, prompt: Prompt, completion: str, finished: bool) -> Score:
-        if self.config.reward == "exact":
-            correct = " ".join(completion.split()) == " ".join(str(prompt.reference).split())
-            return Score(float(correct), {"correct": float(correct)})
-        reward = math_reward(completion, prompt.reference)
-        return Score(reward, {"correct": reward, "answered": float(extract_answer(completion) is not None)})
+        result = math(prompt.text, completion, prompt.reference)
+        return Score(result["reward"], {k: v for k, v in result.items() if k != "reward"})
 
     def vocabulary(self) -> set[str]:
         words: set[str] = set()
-        for row in self.rows:
-            words |= set(self.prompt_text(row).split()) | set(str(row[self.config.answer_field]).split())
+        for i, row in enumerate(self.rows):
+            p = self.prompt_of(i, row)
+            texts = [m["content"] for m in p.messages] if p.messages else [p.text]
+            words |= {w for t in texts for w in t.split()} | set(str(row[self.config.answer_field]).split())
         return words
+
+
+def _messages(value: list[Any], index: int, field: str) -> list[dict[str, str]]:
+    """A row's chat, checked: a non-empty list of {role, content} with text contents."""
+    ok = bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok:
+        raise ValueError(
+            f"task.params.prompt_field={field!r}: row {index} is a list but not of {{role, content}} messages"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -7,11 +7,13 @@ from typing import Any
 from pydantic import Field
 
 from sluice.config.base import Section
+from sluice.plugins import PluginRef
 
 
 class EnvConfig(Section):
-    id: str = "CartPole-v1"
-    """gymnasium environment id (gymnasium.make)."""
+    id: PluginRef = "CartPole-v1"
+    """gymnasium environment id (gymnasium.make), a `sluice.envs` entry point, or a reference
+    to an Env class or creator function (`package.module:make_env`, `path/to/file.py:MyEnv`)."""
     kwargs: dict[str, Any] = {}
     """Keyword arguments of gymnasium.make."""
     num_envs: int = Field(default=16, ge=1)

@@ -76,3 +76,6 @@ class ModelConfig(Section):
     """How to build the model when `path` is None."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype on the learner; rollouts receive weights in this dtype."""
+    chat_template: str | None = None
+    """A Jinja chat template for chat prompts, in place of the tokenizer's own (a model built
+    from `init`, or a local model directory without one). None: the tokenizer's."""

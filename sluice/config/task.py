@@ -2,13 +2,61 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
 
 from sluice.config.base import Section
+from sluice.plugins import PluginRef
+
+
+class RewardFnConfig(Section):
+    """One reward function of `task.rewards`."""
+
+    fn: PluginRef
+    """A built-in reward (`math`, `exact`), a name registered under the `sluice.rewards` entry
+    points, or a reference: `package.module:fn`, `path/to/file.py:fn`. Called as
+    `fn(prompt, completion, reference, **row) -> float | dict` (sync or `async def`)."""
+    weight: float = 1.0
+    """The sample's reward is the weighted sum of its functions' rewards."""
+    name: str | None = None
+    """Name in metrics (default: the function's own name)."""
+
+
+class ScoringConfig(Section):
+    """How rewards run: in a bounded pool, each call with a deadline, errors never silent."""
+
+    workers: int = Field(default=4, ge=1)
+    """Reward calls at once (threads for plain functions; concurrent tasks for `async def`)."""
+    timeout_s: float = Field(default=30.0, gt=0)
+    """Deadline of one call, from when it starts. A sync call past it is counted and its
+    result ignored (Python cannot stop a thread: it keeps its worker until it returns); an
+    async one is cancelled."""
+    on_error: Literal["fail", "skip_group", "zero"] = "fail"
+    """A call that raises or times out: fail (the service stops with the traceback in its log,
+    and is not restarted: it would fail the same way), skip_group (the group is dropped and its
+    admission quota given back), zero (the sample's reward is 0). Every one is counted and
+    logged with its traceback."""
 
 
 class TaskConfig(Section):
-    name: str = "copy"
-    """Registered task (see rollout_svc.tasks.registry)."""
+    name: PluginRef = "copy"
+    """A built-in task (copy, reverse, dataset, calculator), a name registered under the
+    `sluice.tasks` entry points, or a reference to a Task class: `package.module:Class`,
+    `path/to/file.py:Class`."""
     params: dict[str, Any] = {}
     """Task-specific settings, validated by the task's own config model."""
+    rewards: list[RewardFnConfig] = []
+    """Reward functions scoring each completion instead of the task's own score (single-turn
+    tasks). Empty: the task scores."""
+    scoring: ScoringConfig = ScoringConfig()
+    """How the task's score or the reward functions run."""
+
+    @field_validator("rewards")
+    @classmethod
+    def _unique_names(cls, rewards: list[RewardFnConfig]) -> list[RewardFnConfig]:
+        names = [r.name for r in rewards if r.name is not None]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"reward names must be unique ({twice} given twice)")
+        return rewards

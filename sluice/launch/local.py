@@ -32,7 +32,7 @@ from sluice.config.loader import ENV_PREFIX, dump_config
 from sluice.config.policy import learner_role
 from sluice.config.run import RunConfig
 from sluice.launch.progress import training_progress
-from sluice.launch.role import EXIT_FAILED, EXIT_OK
+from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
 from sluice.launch.threads import available_cores, plan_threads
 from sluice.metrics import JsonlLog
 from sluice.modeling.policy import materialize_policy_dir
@@ -244,9 +244,9 @@ class LocalLauncher:
         """Start a dead rollout service again (same index, new incarnation). False: not a
         restartable role, or it used up `rollout.max_restarts`."""
         limit = self.cfg.rollout.max_restarts
-        if not child.name.startswith("rollout") or child.restarts >= limit:
-            return False
         rc = child.proc.returncode
+        if not child.name.startswith("rollout") or child.restarts >= limit or not restartable(rc):
+            return False
         _signal_group(child.proc, signal.SIGKILL)  # whatever it started (engine processes)
         self.children.remove(child)
         new = self._spawn(

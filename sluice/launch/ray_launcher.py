@@ -24,7 +24,7 @@ from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
 from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
 from sluice.launch.progress import training_progress
-from sluice.launch.role import EXIT_FAILED, EXIT_OK, quiet_libraries
+from sluice.launch.role import EXIT_FAILED, EXIT_OK, quiet_libraries, restartable
 from sluice.metrics import JsonlLog
 from sluice.modeling import materialize_model_dir
 from sluice.net import free_ports
@@ -300,7 +300,7 @@ class RayLauncher:
             return EXIT_FAILED
         if p.role == "rollout" and rc == EXIT_OK:
             return None  # a rollout ends itself when the learner announces shutdown
-        if p.role == "rollout" and p.restarts < self.cfg.rollout.max_restarts:
+        if p.role == "rollout" and p.restarts < self.cfg.rollout.max_restarts and restartable(rc):
             p.restarts += 1
             self.console.print(
                 f"[yellow]{p.name} {error or f'exited {rc}'}; restarting it "

@@ -18,7 +18,16 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 
+from sluice.plugins import UserCodeError
+
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
+EXIT_USER_CODE = 3  # a user's plugin failed (say, a reward raised with on_error=fail)
+
+
+def restartable(rc: int | None) -> bool:
+    """Whether a launcher should start a dead role again: not when a restart would fail the
+    same way (a bad config, a user's code that raises)."""
+    return rc not in (EXIT_CONFIG, EXIT_USER_CODE)
 
 
 def quiet_libraries() -> None:
@@ -96,6 +105,9 @@ def run_role(role: str, main: Callable[[threading.Event], int]) -> int:
         die_with_parent()
     try:
         return main(stop)
+    except UserCodeError:
+        logging.getLogger(role).exception("%s failed in user code (not restarted)", role)
+        return EXIT_USER_CODE
     except Exception:
         logging.getLogger(role).exception("%s failed", role)
         return EXIT_FAILED

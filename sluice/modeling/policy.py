@@ -27,7 +27,9 @@ def env_spaces(env_id: str, kwargs: dict[str, Any]) -> tuple[int, int]:
     space and a Discrete action space."""
     import gymnasium as gym
 
-    env = gym.make(env_id, **kwargs)
+    from sluice.rollout_svc.envs.spec import env_spec
+
+    env = gym.make(env_spec(env_id), **kwargs)
     try:
         obs, act = env.observation_space, env.action_space
         if not isinstance(act, gym.spaces.Discrete):
