@@ -15,11 +15,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from sluice.config.loader import ConfigError
 from sluice.config.run import RunConfig
 from sluice.launch.threads import role_threads
 from sluice.metrics import PrometheusEndpoint
@@ -27,6 +29,8 @@ from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect, 
 from sluice.rollout_svc.engines.base import Engine, SamplingParams, WeightUpdate
 from sluice.rollout_svc.engines.registry import build_engine
 from sluice.rollout_svc.episodes import GroupRequest, Sample, multi_turn, single_turn
+from sluice.rollout_svc.evaluation import Evaluator
+from sluice.rollout_svc.scoring import ScoredBatch, Scorer
 from sluice.rollout_svc.tasks.base import MultiTurnTask, Prompt, Task
 from sluice.rollout_svc.tasks.registry import build_task
 from sluice.rollout_svc.weights import VersionFeed, WeightFeed, receiver_feed
@@ -44,6 +48,9 @@ class BatchStats:
     generate_s: float
     score_s: float  # building trajectories (single-turn scoring happens inside generate_s)
     dropped_groups: int  # zero-variance groups dropped (DAPO filter)
+    skipped_groups: int  # groups a reward call failed in (task.scoring.on_error=skip_group)
+    reward_errors: int  # reward calls that raised (skip_group / zero)
+    reward_timeouts: int  # reward calls past task.scoring.timeout_s
     discarded_tokens: int  # tokens thrown away by abort-mode restarts
     truncated: int  # samples cut at their token budget
     version_spans: int  # samples whose tokens came from more than one version
@@ -64,11 +71,28 @@ class LLMProducer:
             torch.set_num_threads(role_threads(rc.torch_threads))
         self.engine: Engine = build_engine(cfg, rc.seed + 1000 * index)
         self.task: Task = build_task(cfg.task, seed=cfg.run.seed * 7919 + index)
+        self.scorer = Scorer(self.task, cfg.task)
         self.tokenizer = self.engine.tokenizer
+        if cfg.model.chat_template is not None:
+            self.tokenizer.chat_template = cfg.model.chat_template  # type: ignore[attr-defined]
         self._check_vocabulary()
-        self.sampling = SamplingParams(rc.max_new_tokens, rc.temperature, rc.on_new_weights)
+        self.sampling = SamplingParams(
+            rc.max_new_tokens,
+            rc.temperature,
+            rc.on_new_weights,
+            top_p=rc.top_p,
+            top_k=rc.top_k,
+            min_p=rc.min_p,
+            stop=tuple(rc.stop),
+            stop_token_ids=tuple(rc.stop_token_ids),
+        )
         self.overlong_prompts = 0  # prompts skipped: no room left to answer
         self._init_metrics(registry)
+        self.evaluator = (
+            Evaluator(cfg, self.task, lambda p: prompt_token_ids(self.tokenizer, p), self.sampling, registry)
+            if index == 0 and cfg.task.eval.every > 0
+            else None
+        )
 
     @property
     def version(self) -> int:
@@ -94,6 +118,12 @@ class LLMProducer:
         self._c_discarded = Counter(
             "sluice_rollout_discarded_tokens", "Tokens thrown away by abort-mode restarts", registry=reg
         )
+        self._c_reward_failures = Counter(
+            "sluice_rollout_reward_failures", "Reward calls that failed", ["kind"], registry=reg
+        )
+        self._c_skipped = Counter(
+            "sluice_rollout_skipped_groups", "Groups dropped after a reward call failed", registry=reg
+        )
 
     def _check_vocabulary(self) -> None:
         unk = self.tokenizer.unk_token_id
@@ -107,35 +137,52 @@ class LLMProducer:
 
     def produce(self, granted: int, poll_weights: PollWeights) -> Produced | None:
         rc = self.cfg.rollout
+        if self.evaluator is not None and self.evaluator.due(self.engine.version):
+            self.evaluator.run(self.engine.version, lambda req: self._rollout(req)[0])
         prompts, prompt_ids = self.sample_prompts(granted // rc.group_size)
         if not prompts:
             return None
         t0 = time.perf_counter()
-        task = self.task
         request = GroupRequest(
             prompts, prompt_ids, rc.group_size, self.sampling, poll_weights, rc.truncated_reward
         )
-        if not task.multi_turn:
-            groups = single_turn(self.engine, task, request)
-        elif isinstance(task, MultiTurnTask):
-            groups = multi_turn(self.engine, task, request)
-        else:
-            raise TypeError(f"task {task.name!r} says multi_turn but is not a MultiTurnTask")
+        groups, scored = self._rollout(request)
         t1 = time.perf_counter()
-        kept = [(p, ids, g) for p, ids, g in zip(prompts, prompt_ids, groups) if self.keep_group(g)]
+        live = [(p, ids, g) for p, ids, g in zip(prompts, prompt_ids, groups) if g]  # not skipped
+        kept = [(p, ids, g) for p, ids, g in live if self.keep_group(g)]
         trajs = [t for p, ids, g in kept for t in self.build_group(p, ids, g)]
-        dropped = len(groups) - len(kept)
-        stats = batch_stats(groups, trajs, dropped, generate_s=t1 - t0, score_s=time.perf_counter() - t1)
-        return self._report(trajs, stats)
+        stats = batch_stats(
+            groups, trajs, len(live) - len(kept), scored, generate_s=t1 - t0, score_s=time.perf_counter() - t1
+        )
+        return self._report(trajs, stats, scored)
 
-    def _report(self, trajs: list[Trajectory], s: BatchStats) -> Produced:
+    def _rollout(self, request: GroupRequest) -> tuple[list[list[Sample]], ScoredBatch]:
+        """Generate and score: single turn through the scorer, multi turn through episodes."""
+        task = self.task
+        if not task.multi_turn:
+            return single_turn(self.engine, self.scorer, request)
+        if isinstance(task, MultiTurnTask):
+            return multi_turn(self.engine, task, request), ScoredBatch([])
+        raise TypeError(f"task {task.name!r} says multi_turn but is not a MultiTurnTask")
+
+    def _report(self, trajs: list[Trajectory], s: BatchStats, scored: ScoredBatch) -> Produced:
         self._c_tokens.inc(s.tokens)
-        self._g_reward.set(s.reward_mean)
+        if s.reward_mean == s.reward_mean:  # not NaN: some group was scored
+            self._g_reward.set(s.reward_mean)
         self._c_gen_s.inc(s.generate_s)
         self._c_dropped.inc(s.dropped_groups)
         self._c_discarded.inc(s.discarded_tokens)
-        record = {**vars(s), "tokens_per_s": s.tokens / max(s.generate_s, 1e-9)}
-        totals = {"generate_s": s.generate_s, "dropped_groups": float(s.dropped_groups)}
+        self._c_reward_failures.labels("error").inc(s.reward_errors)
+        self._c_reward_failures.labels("timeout").inc(s.reward_timeouts)
+        self._c_skipped.inc(s.skipped_groups)
+        components = {f"mean/{k}": float(np.mean(v)) for k, v in scored.components.items()}
+        record = {**vars(s), "tokens_per_s": s.tokens / max(s.generate_s, 1e-9), **components}
+        totals = {
+            "generate_s": s.generate_s,
+            "dropped_groups": float(s.dropped_groups),
+            "skipped_groups": float(s.skipped_groups),
+            "reward_failures": float(s.reward_errors + s.reward_timeouts),
+        }
         return Produced(trajs, record, totals)
 
     def sample_prompts(self, n: int) -> tuple[list[Prompt], list[list[int]]]:
@@ -143,7 +190,7 @@ class LLMProducer:
         to answer (counted and logged; their quota is refunded by the caller)."""
         prompts, ids = [], []
         for p in self.task.sample(n):
-            tokens = [self.tokenizer.bos_token_id, *self.tokenizer.encode(p.text, add_special_tokens=False)]
+            tokens = prompt_token_ids(self.tokenizer, p)
             if len(tokens) >= self.engine.max_model_len:
                 self.overlong_prompts += 1
                 self._c_overlong.inc()
@@ -187,19 +234,45 @@ class LLMProducer:
         return out
 
     def close(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.close()
+        self.scorer.close()
         self.engine.close()
 
 
+def prompt_token_ids(tok: Any, prompt: Prompt) -> list[int]:
+    """The prompt's token ids, BOS first: its text, or its chat rendered by the tokenizer's
+    chat template (with the generation prompt: the model answers as the assistant)."""
+    if prompt.messages is None:
+        return [tok.bos_token_id, *tok.encode(prompt.text, add_special_tokens=False)]
+    if not getattr(tok, "chat_template", None) or not hasattr(tok, "apply_chat_template"):
+        raise ConfigError(
+            "config error: model.chat_template: the task's prompts are chats and the tokenizer "
+            "has no chat template (set model.chat_template, or task.params.chat: off)"
+        )
+    text = tok.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+    ids = tok.encode(text, add_special_tokens=False)
+    return ids if ids[:1] == [tok.bos_token_id] else [tok.bos_token_id, *ids]
+
+
 def batch_stats(
-    groups: list[list[Sample]], trajs: list[Trajectory], dropped: int, generate_s: float, score_s: float
+    groups: list[list[Sample]],
+    trajs: list[Trajectory],
+    dropped: int,
+    scored: ScoredBatch,
+    generate_s: float,
+    score_s: float,
 ) -> BatchStats:
     samples = [s for g in groups for s in g]
     return BatchStats(
         tokens=sum(len(t.arrays["completion_ids"]) for t in trajs),
-        reward_mean=float(np.mean([s.reward for s in samples])),
+        reward_mean=float(np.mean([s.reward for s in samples])) if samples else float("nan"),
         generate_s=generate_s,
         score_s=score_s,
         dropped_groups=dropped,
+        skipped_groups=scored.skipped_groups,
+        reward_errors=scored.errors,
+        reward_timeouts=scored.timeouts,
         discarded_tokens=sum(s.discarded_tokens for s in samples),
         truncated=sum(not s.finished for s in samples),
         version_spans=sum(len(np.unique(s.versions)) > 1 for s in samples),

@@ -64,11 +64,16 @@ def _validate_plugins(cfg: RunConfig) -> None:
         from sluice.rollout_svc.scoring import build_rewards
         from sluice.rollout_svc.tasks.registry import build_task
 
-        build_rewards(cfg.task, build_task(cfg.task, seed=0))
+        task = build_task(cfg.task, seed=0)
+        build_rewards(cfg.task, task)
+        if cfg.task.eval.every:
+            task.held_out(cfg.task.eval.prompts)
         if cfg.rollout.engine not in ENGINES:
             user_engine(cfg.rollout.engine)
     except ConfigError as e:
         raise _fail(str(e)) from None
+    except NotImplementedError as e:
+        raise _fail(f"config error: task.eval.every={cfg.task.eval.every}: {e}") from None
     except Exception as e:  # gymnasium (bad id or kwargs) or a user's task raises many kinds
         where = "env" if cfg.rollout.kind == "env" else f"task.name: {cfg.task.name!r}"
         raise _fail(f"config error: {where}: {type(e).__name__}: {e}".splitlines()[0]) from None

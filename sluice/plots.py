@@ -1,4 +1,5 @@
-"""PNG plots of a run from its JSONL metrics: reward, staleness and throughput over time.
+"""PNG plots of a run from its JSONL metrics: reward (with the held-out evaluation when the run
+has one), staleness and throughput over time.
 
 Written to `<run dir>/plots/` by the launchers when a run ends, or by `sluice plots RUN_DIR`.
 Uses matplotlib's object API (`Figure`, Agg canvas): no pyplot state, safe in any process.
@@ -24,7 +25,8 @@ def write_run_plots(run_dir: str | Path) -> list[Path]:
     written = []
     if learner:
         out.mkdir(exist_ok=True)
-        written.append(_reward(learner, rollouts, out / "reward.png"))
+        evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
+        written.append(_reward(learner, rollouts, evals, out / "reward.png"))
         written.append(_staleness(learner, out / "staleness.png"))
     if learner or rollouts:
         out.mkdir(exist_ok=True)
@@ -52,7 +54,7 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def _reward(learner: list[dict], rollouts: dict[str, list[dict]], path: Path) -> Path:
+def _reward(learner: list[dict], rollouts: dict[str, list[dict]], evals: list[dict], path: Path) -> Path:
     fig = Figure(figsize=(7, 4))
     ax = fig.add_subplot()
     v, r = _col(learner, "version"), _col(learner, "reward_mean")
@@ -60,6 +62,10 @@ def _reward(learner: list[dict], rollouts: dict[str, list[dict]], path: Path) ->
     ax.plot(v, _smooth(r, max(1, len(r) // 20)), color="C0", label="learner batch (smoothed)")
     for i, (name, recs) in enumerate(rollouts.items()):
         ax.plot(_col(recs, "version"), _col(recs, "reward_mean"), ".", ms=3, color=f"C{i + 1}", label=name)
+    for mode, style in (("greedy", "k-o"), ("sampled", "k--s")):
+        y = _col(evals, f"{mode}_reward")
+        if np.isfinite(y).any():
+            ax.plot(_col(evals, "version"), y, style, ms=3, lw=1, label=f"held-out eval ({mode})")
     ax.set_xlabel("policy version (learner steps)")
     ax.set_ylabel("mean reward")
     ax.set_title("Reward")

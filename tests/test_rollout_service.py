@@ -258,3 +258,33 @@ def test_groups_a_reward_fails_on_are_skipped_counted_and_their_quota_refunded(t
         for t in got
         if t.arrays["prompt_ids"].tolist()[1:2] == [st.service.producer.tokenizer.encode("3")[0]]
     ]
+
+
+def test_service_0_evaluates_every_kth_version_on_held_out_prompts(tmp_path, shard_factory):
+    cfg, _ = sim_config(
+        tmp_path,
+        shard_factory(),
+        task={"name": "copy", "params": {"length": 3}, "eval": {"every": 2, "prompts": 5, "samples": 2}},
+        learner={"batch_size": 8, "max_staleness": 4},
+    )
+    drain = DrainThread(cfg)
+    stop = threading.Event()
+    service = build_actor(cfg, 0, stop)
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    evals = cfg.run_dir / "metrics" / "eval.jsonl"
+    try:
+        drain.wait_for(lambda s: len(read_jsonl(evals)) >= 3, 60)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        service.close()
+        drain.close()
+    records = read_jsonl(evals)
+    buckets = [int(r["version"]) // 2 for r in records]
+    assert buckets == sorted(set(buckets))  # once per block of 2 versions
+    assert all(
+        r["prompts"] == 5 and 0 <= r["greedy_reward"] <= 1 and 0 <= r["sampled_reward"] <= 1 for r in records
+    )
+    held = {tuple(p.reference) for p in service.producer.task.held_out(5)}
+    assert not held & {tuple(p.reference) for p in service.producer.task.sample(500)}  # never trained on

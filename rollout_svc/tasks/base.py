@@ -58,6 +58,11 @@ class Task(ABC):
     def sample(self, n: int) -> list[Prompt]:
         """The next `n` prompts of the task's stream."""
 
+    def held_out(self, n: int) -> list[Prompt]:
+        """`n` evaluation prompts, the same on every call and kept out of `sample`'s stream
+        where the task can (`task.eval`). Default: none (evaluation is a config error)."""
+        raise NotImplementedError(f"task {self.name!r} has no held-out prompts")
+
     @abstractmethod
     def score(self, prompt: Prompt, completion: str, finished: bool) -> Score:
         """Reward of one completion; `finished` is False when it hit its token budget."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import random
 import re
 
 from pydantic import Field
@@ -109,18 +110,39 @@ class CalculatorTask(MultiTurnTask):
         super().__init__(config, seed)
         self.max_turns = config.max_turns
         self._count = 0
+        self._held: set[str] = set()  # held-out expressions, never sampled for training
+
+    def _expression(self, rng: random.Random) -> list[str]:
+        c = self.config
+        words = [rng.choice(DIGITS)]
+        for _ in range(c.operands - 1):
+            words += [rng.choice(c.operators), rng.choice(DIGITS)]
+        return words
+
+    def _prompt(self, prompt_id: str, words: list[str]) -> Prompt:
+        return Prompt(prompt_id, f"user {' '.join(words)} ? assistant", evaluate("".join(words)))
 
     def sample(self, n: int) -> list[Prompt]:
-        c = self.config
         out = []
-        for _ in range(n):
-            words = [self.rng.choice(DIGITS)]
-            for _ in range(c.operands - 1):
-                words += [self.rng.choice(c.operators), self.rng.choice(DIGITS)]
+        while len(out) < n:
+            words = self._expression(self.rng)
+            if " ".join(words) in self._held:
+                continue
             self._count += 1
-            expression = " ".join(words)
-            out.append(Prompt(f"c{self._count}", f"user {expression} ? assistant", evaluate("".join(words))))
+            out.append(self._prompt(f"c{self._count}", words))
         return out
+
+    def held_out(self, n: int) -> list[Prompt]:
+        """`n` expressions from a fixed seed, kept out of `sample` from then on (at most a
+        quarter of the distinct ones)."""
+        space = 10**self.config.operands * len(self.config.operators) ** (self.config.operands - 1)
+        rng, chosen = random.Random(104729), list[list[str]]()
+        while len(chosen) < min(n, space // 4):
+            words = self._expression(rng)
+            if words not in chosen:
+                chosen.append(words)
+        self._held = {" ".join(w) for w in chosen}
+        return [self._prompt(f"eval{i}", w) for i, w in enumerate(chosen)]
 
     def start(self, prompt: Prompt) -> CalculatorEpisode:
         return CalculatorEpisode(prompt.reference, self.config.format_reward)

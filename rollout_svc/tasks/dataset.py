@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,17 +56,22 @@ class DatasetConfig(Section):
     """Walk the rows in a seeded random order (per service, per epoch)."""
     max_rows: int | None = Field(default=None, ge=1)
     """Use only the first max_rows rows."""
+    eval_path: str | None = None
+    """Held-out rows for `task.eval` (same format rules and columns as `path`)."""
 
 
-def read_rows(cfg: DatasetConfig) -> list[dict[str, Any]]:
-    path = Path(cfg.path)
+def read_rows(cfg: DatasetConfig, key: str = "path") -> list[dict[str, Any]]:
+    """The rows of `task.params.<key>` (path, or eval_path), checked for the columns used."""
+    where = cfg.path if key == "path" else cfg.eval_path
+    assert where is not None
+    path = Path(where)
     if not path.exists():
-        raise FileNotFoundError(f"task.params.path={cfg.path!r} does not exist")
+        raise FileNotFoundError(f"task.params.{key}={where!r} does not exist")
     fmt = cfg.format
     if fmt == "auto":
         fmt = "hf" if path.is_dir() else {".jsonl": "jsonl", ".parquet": "parquet"}.get(path.suffix, "")
         if not fmt:
-            raise ValueError(f"task.params.path={cfg.path!r}: cannot tell its format; set task.params.format")
+            raise ValueError(f"task.params.{key}={where!r}: cannot tell its format; set task.params.format")
     if fmt == "jsonl":
         rows = []
         with path.open() as fh:
@@ -74,7 +80,7 @@ def read_rows(cfg: DatasetConfig) -> list[dict[str, Any]]:
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{cfg.path}:{i}: not JSON ({e.msg})") from None
+                        raise ValueError(f"{where}:{i}: not JSON ({e.msg})") from None
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -83,14 +89,14 @@ def read_rows(cfg: DatasetConfig) -> list[dict[str, Any]]:
         rows = _read_hf(path, cfg.split)
     rows = rows[: cfg.max_rows] if cfg.max_rows else rows
     for i, row in enumerate(rows):
-        for name, key in (("prompt_field", cfg.prompt_field), ("answer_field", cfg.answer_field)):
-            if key not in row:
+        for name, column in (("prompt_field", cfg.prompt_field), ("answer_field", cfg.answer_field)):
+            if column not in row:
                 raise ValueError(
-                    f"task.params.{name}={key!r}: row {i} of {cfg.path} has no such column "
+                    f"task.params.{name}={column!r}: row {i} of {where} has no such column "
                     f"(columns: {sorted(row)})"
                 )
     if not rows:
-        raise ValueError(f"{cfg.path}: no rows")
+        raise ValueError(f"task.params.{key}={where!r}: no rows")
     return rows
 
 
@@ -154,6 +160,13 @@ class DatasetTask(Task):
             self._count += 1
             out.append(self.prompt_of(i, self.rows[i]))
         return out
+
+    def held_out(self, n: int) -> list[Prompt]:
+        """The first `n` rows of `eval_path`."""
+        if self.config.eval_path is None:
+            raise NotImplementedError("task 'dataset' evaluates on task.params.eval_path, which is not set")
+        rows = read_rows(self.config, "eval_path")[:n]
+        return [replace(self.prompt_of(i, row), prompt_id=f"eval{i}") for i, row in enumerate(rows)]
 
     def score(self, prompt: Prompt, completion: str, finished: bool) -> Score:
         result = math(prompt.text, completion, prompt.reference)

@@ -8,6 +8,8 @@ stopping right after the last digit, divided by length + 1. A random tiny model 
 
 from __future__ import annotations
 
+import random
+
 from pydantic import Field
 
 from sluice.config.base import Section
@@ -29,17 +31,32 @@ class CopyTask(Task):
     def __init__(self, config: DigitsConfig, seed: int) -> None:
         super().__init__(config, seed)
         self._count = 0
+        self._held: set[tuple[str, ...]] = set()  # held-out strings, never sampled for training
 
     def target(self, digits: list[str]) -> list[str]:
         return digits
 
     def sample(self, n: int) -> list[Prompt]:
         out = []
-        for _ in range(n):
+        while len(out) < n:
             digits = [self.rng.choice(DIGITS) for _ in range(self.config.length)]
+            if tuple(digits) in self._held:
+                continue
             self._count += 1
             out.append(Prompt(f"p{self._count}", " ".join(digits) + " =", self.target(digits)))
         return out
+
+    def held_out(self, n: int) -> list[Prompt]:
+        """`n` distinct strings from a fixed seed (the same for every service), at most a
+        quarter of all 10**length; `sample` never draws them from then on."""
+        n = min(n, 10**self.config.length // 4)
+        rng, chosen = random.Random(104729), []
+        while len(chosen) < n:
+            digits = tuple(rng.choice(DIGITS) for _ in range(self.config.length))
+            if digits not in chosen:
+                chosen.append(digits)
+        self._held = set(chosen)
+        return [Prompt(f"eval{i}", " ".join(d) + " =", self.target(list(d))) for i, d in enumerate(chosen)]
 
     def score(self, prompt: Prompt, completion: str, finished: bool) -> Score:
         target: list[str] = prompt.reference

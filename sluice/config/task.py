@@ -39,6 +39,19 @@ class ScoringConfig(Section):
     logged with its traceback."""
 
 
+class EvalConfig(Section):
+    """Held-out evaluation, run by rollout service 0 between its batches (evaluation.py)."""
+
+    every: int = Field(default=0, ge=0)
+    """Evaluate the weights of every k-th policy version (0: never)."""
+    prompts: int = Field(default=32, ge=1)
+    """Held-out prompts per evaluation (the task's `held_out` set, first ones)."""
+    greedy: bool = True
+    """Score one greedy completion per prompt (top_k=1)."""
+    samples: int = Field(default=1, ge=0)
+    """Sampled completions per prompt, under the run's sampling settings (0: none)."""
+
+
 class TaskConfig(Section):
     name: PluginRef = "copy"
     """A built-in task (copy, reverse, dataset, calculator), a name registered under the
@@ -51,6 +64,8 @@ class TaskConfig(Section):
     tasks). Empty: the task scores."""
     scoring: ScoringConfig = ScoringConfig()
     """How the task's score or the reward functions run."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation: greedy and sampled reward on prompts never trained on."""
 
     @field_validator("rewards")
     @classmethod
