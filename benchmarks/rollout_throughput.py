@@ -123,6 +123,7 @@ def vllm_logprob_error(engine, model_dir: Path, prompts: list[list[int]], group:
 
     from sluice.learner.batch import collate, token_logprobs
     from sluice.modeling import load_policy
+    from sluice.modeling.sampling import SamplingTransform
     from sluice.rollout_svc.engines.base import SamplingParams
     from sluice.trajectory import Trajectory
 
@@ -135,7 +136,7 @@ def vllm_logprob_error(engine, model_dir: Path, prompts: list[list[int]], group:
     ]  # fmt: skip
     batch = collate(trajs, tok.pad_token_id)
     with torch.no_grad():
-        ref = token_logprobs(model, batch, 0.7)
+        ref = token_logprobs(model, batch, SamplingTransform(temperature=0.7))
     return float((ref - batch.behaviour_logprobs).abs()[batch.completion_mask].max())
 
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from sluice.modeling.sampling import SamplingTransform, sampling_logprobs
 from sluice.trajectory import Trajectory
 
 
@@ -68,8 +68,11 @@ def _loss_mask(t: Trajectory) -> np.ndarray:
     return np.ones(n, dtype=bool) if m is None else np.asarray(m).astype(bool)
 
 
-def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float) -> torch.Tensor:
-    """log pi_theta(target) of every position under the tempered policy: [B, L-1]."""
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: SamplingTransform) -> torch.Tensor:
+    """log pi_theta(target) of every position under the rollouts' sampling transform
+    (temperature, then the top_k/top_p/min_p filters), the target always kept: [B, L-1].
+    Finite everywhere, also for a sampled token the current filters drop
+    (sluice/modeling/sampling.py says why)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = sampling_logprobs(logits, sampling, keep=batch.targets)
     return logp.gather(-1, batch.targets[..., None]).squeeze(-1)

@@ -32,12 +32,13 @@ def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir
             raise TypeError(f"model.kind mlp: expected an MLPPolicy, loaded a {type(model).__name__}")
         return EnvObjective(cfg.learner.loss, model.config.obs_dim, device)
     from sluice.learner.objectives.token import TokenObjective
+    from sluice.modeling.sampling import SamplingTransform
 
     return TokenObjective(
         cfg.learner.loss,
         tokenizer.pad_token_id,
         tokenizer.bos_token_id,
-        cfg.rollout.temperature,
+        SamplingTransform.of(cfg.rollout),
         device,
         reference_dir=model_dir,
         dtype=cfg.model.dtype,

@@ -82,14 +82,21 @@ def test_unsupported_models_fall_back_to_transformers():
     assert isinstance(build_decoder(llama(), "auto"), LeanLlamaDecoder)
 
 
-def test_engine_samples_the_same_tokens_with_either_decoder(tmp_path):
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=10),
+        SamplingParams(10, 0.8, top_p=0.9, top_k=5, min_p=0.05, stop=("3 4",), stop_token_ids=(9,)),
+    ],
+    ids=["plain", "filters-and-stops"],
+)
+def test_engine_samples_the_same_tokens_with_either_decoder(tmp_path, params):
     model = llama(vocab_size=24, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(tmp_path)
     from sluice.modeling.tokenizer import build_tokenizer
 
     build_tokenizer([str(d) for d in range(10)]).save_pretrained(tmp_path)
     prompts = [[1, 5, 6, 7], [1, 8], [1, 9, 10, 11, 12, 13]]
-    params = SamplingParams(max_new_tokens=10)
     runs = []
     for decoder in ("lean", "transformers"):
         engine = HFEngine(tmp_path, seed=3, decoder=decoder)

@@ -242,6 +242,7 @@ def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss):
     from sluice.learner.losses.aggregate import Denominator
     from sluice.learner.objectives.token import TokenObjective
     from sluice.modeling import load_policy
+    from sluice.modeling.sampling import SamplingTransform
 
     cfg = load_config(
         None,
@@ -259,7 +260,12 @@ def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss):
         for p in model.parameters():  # make pi differ from the reference (the saved initial weights)
             p.add_(0.05 * torch.randn_like(p))
     obj = TokenObjective(
-        LossConfig(**loss), tok.pad_token_id, tok.bos_token_id, 1.0, torch.device("cpu"), model_dir
+        LossConfig(**loss),
+        tok.pad_token_id,
+        tok.bos_token_id,
+        SamplingTransform(),
+        torch.device("cpu"),
+        model_dir,
     )
     trajs = [traj(i, f"g{i // 3}", n) for i, n in enumerate([1, 4, 2, 6, 3, 1])]
     for t in trajs:

@@ -25,6 +25,7 @@ from sluice.learner.losses.grpo import group_advantages, group_indices, grpo_los
 from sluice.learner.losses.kl import kl_penalty
 from sluice.learner.losses.ppo import clipped_surrogate
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
+from sluice.modeling.sampling import SamplingTransform
 from sluice.trajectory import Trajectory
 
 
@@ -45,7 +46,7 @@ class TokenObjective(Objective[TokenPiece]):
         loss: LossConfig,
         pad_id: int,
         bos_id: int,
-        temperature: float,
+        sampling: SamplingTransform,
         device: torch.device,
         reference_dir: Path | None = None,
         dtype: str = "float32",
@@ -53,7 +54,7 @@ class TokenObjective(Objective[TokenPiece]):
         self.cfg = loss
         self.pad_id = pad_id
         self.bos_id = bos_id
-        self.temperature = temperature
+        self.sampling = sampling
         self.device = device
         self.reference = None
         if loss.kl_coef > 0:
@@ -94,9 +95,9 @@ class TokenObjective(Objective[TokenPiece]):
         proximal = reference = None
         with torch.no_grad():
             if self.cfg.type == "decoupled_ppo" and self.cfg.recompute_proximal:
-                proximal = token_logprobs(module, batch, self.temperature)
+                proximal = token_logprobs(module, batch, self.sampling)
             if self.reference is not None:
-                reference = token_logprobs(self.reference, batch, self.temperature)
+                reference = token_logprobs(self.reference, batch, self.sampling)
         return TokenPiece(batch, adv, proximal, reference, empty)
 
     # -- pieces --------------------------------------------------------------------------------
@@ -149,7 +150,7 @@ class TokenObjective(Objective[TokenPiece]):
 
     def loss(self, module, piece: TokenPiece, denom: Denominator) -> tuple[torch.Tensor, Stats]:
         c, b = self.cfg, piece.batch
-        logp = token_logprobs(module, b, self.temperature)
+        logp = token_logprobs(module, b, self.sampling)
         mask = b.completion_mask
         stats: Stats = {}
         if c.type == "grpo":

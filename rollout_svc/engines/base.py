@@ -32,9 +32,19 @@ InterruptMode = Literal["finish", "continue", "abort"]
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One generation call's knobs (`rollout.*`). temperature, top_k, top_p, min_p make the
+    sampling transform (sluice/modeling/sampling.py); a completion ends at end-of-sequence, at
+    a token of `stop_token_ids`, or at the token whose decoded text completes a `stop` string
+    (`completes_stop`); the ending token stays in the completion."""
+
     max_new_tokens: int
     temperature: float = 1.0
     on_new_weights: InterruptMode = "finish"  # what in-flight sequences do when weights arrive
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -55,7 +65,7 @@ class Completion:
     token_ids: np.ndarray  # int32 [T], includes the end-of-sequence token when one was sampled
     logprobs: np.ndarray  # float32 [T], log-prob of each token under the tempered behaviour policy
     versions: np.ndarray  # int32 [T], policy version that sampled each token
-    finished: bool  # True if it ended with end-of-sequence, False if cut at its token budget
+    finished: bool  # True if it ended (end-of-sequence, stop token, stop string), False if cut at its budget
     discarded_tokens: int = 0  # tokens sampled and thrown away by `abort` restarts
 
 
@@ -86,7 +96,7 @@ class SequenceState:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finished: bool = False  # sampled end-of-sequence
+    finished: bool = False  # sampled end-of-sequence, a stop token, or completed a stop string
     discarded: int = 0
 
     @property
@@ -102,11 +112,12 @@ class SequenceState:
         """What the next round prefills: the prompt and every token sampled so far."""
         return self.prompt + self.tokens
 
-    def append(self, token: int, logprob: float, version: int, eos_id: int) -> None:
+    def append(self, token: int, logprob: float, version: int, ends: bool) -> None:
+        """Add a sampled token; `ends`: it ends the sequence (the engine's stop rule)."""
         self.tokens.append(int(token))
         self.logprobs.append(float(logprob))
         self.versions.append(int(version))
-        if token == eos_id:
+        if ends:
             self.finished = True
 
     def restart(self) -> None:
@@ -121,6 +132,21 @@ class SequenceState:
             finished=self.finished,
             discarded_tokens=self.discarded,
         )
+
+
+def completes_stop(codec: TokenCodec, tokens: Sequence[int], stops: Sequence[str]) -> bool:
+    """Whether the last of `tokens` (a completion) completes a stop string in the completion's
+    decoded text (skip_special_tokens, as the service decodes it for the reward). Cheap: only
+    the tail is decoded, enough tokens for the longest stop string (every token but special
+    ones decodes to at least one character) plus one whose start may decode differently
+    alone (a leading space). Only a match that ends in the last token's text counts, as in
+    vLLM's detokenizer: an earlier one would have ended the sequence already."""
+    if not stops or not tokens:
+        return False
+    tail = list(tokens[-(max(len(s) for s in stops) + 2) :])
+    text = codec.decode(tail, skip_special_tokens=True)
+    before = len(codec.decode(tail[:-1], skip_special_tokens=True))
+    return any(stop in text[max(before - len(stop) + 1, 0) :] for stop in stops)
 
 
 class Engine(ABC):

@@ -1,8 +1,11 @@
 """Generation with a Hugging Face transformers model and a plain sampling loop.
 
-The loop (not `model.generate`) is ours so that every token's log-prob is exactly the
-tempered log-softmax the learner recomputes, and so generation has well-defined points
-between tokens where weights may change (see `engines/base.py` for the round protocol).
+The loop (not `model.generate`) is ours so that every token's log-prob is exactly the one the
+learner recomputes (both use `sluice.modeling.sampling`: temperature, then min_p, top_k,
+top_p, as vLLM), and so generation has well-defined points between tokens where weights may
+change (see `engines/base.py` for the round protocol). A sequence ends at end-of-sequence, at
+a stop token id (both checked in tensors) or at the token completing a stop string (checked
+on the host, decoding each live sequence's tail after every step: only when `stop` is set).
 """
 
 from __future__ import annotations
@@ -12,10 +15,17 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from sluice.modeling import load_policy
-from sluice.rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
+from sluice.modeling.sampling import SamplingTransform, sampling_logprobs
+from sluice.rollout_svc.engines.base import (
+    Engine,
+    InterruptPoll,
+    SamplingParams,
+    SequenceState,
+    WeightUpdate,
+    completes_stop,
+)
 from sluice.rollout_svc.engines.lean_llama import LeanLlamaDecoder, unsupported_reason
 
 if TYPE_CHECKING:
@@ -91,29 +101,48 @@ class HFEngine(Engine):
         self, seqs: list[SequenceState], params: SamplingParams, interrupt: InterruptPoll | None
     ) -> WeightUpdate | None:
         """Sampled tokens and log-probs stay in tensors until the round ends (no per-token
-        Python work per sequence)."""
+        Python work per sequence, but for the stop-string check when `stop` is set)."""
         steps = max(s.remaining for s in seqs)
         ids, valid = self._left_padded([s.prefix for s in seqs])
         logits = self.decoder.start(ids, valid, steps)
+        transform = SamplingTransform.of(params)
+        stop_ids = torch.tensor([self.eos_id, *params.stop_token_ids], device=self.device)
+        history = [list(s.tokens) for s in seqs] if params.stop else []  # host copy for stop strings
         budget = torch.tensor([s.remaining for s in seqs], device=self.device)
         live = torch.tensor([s.active for s in seqs], device=self.device)
-        tokens = torch.empty((len(seqs), steps), dtype=torch.long, device=self.device)
-        logps = torch.empty((len(seqs), steps), dtype=torch.float32, device=self.device)
-        alive = torch.empty((len(seqs), steps), dtype=torch.bool, device=self.device)
+        shape = (len(seqs), steps)
+        tokens = torch.empty(shape, dtype=torch.long, device=self.device)
+        logps = torch.empty(shape, dtype=torch.float32, device=self.device)
+        alive = torch.empty(shape, dtype=torch.bool, device=self.device)
+        ends = torch.empty(shape, dtype=torch.bool, device=self.device)
         update, done = None, 0
         for step in range(steps):
-            logp = F.log_softmax(logits.float() / params.temperature, dim=-1)
+            logp = sampling_logprobs(logits, transform)
             tok = torch.multinomial(logp.exp(), 1, generator=self.generator).squeeze(-1)
             tokens[:, step], logps[:, step], alive[:, step] = tok, logp.gather(-1, tok[:, None])[:, 0], live
+            ends[:, step] = torch.isin(tok, stop_ids)
+            if params.stop:
+                ends[:, step] |= self._stop_strings(tok, live, history, params.stop)
             done = step + 1
-            live = live & (tok != self.eos_id) & (budget > done)
+            live = live & ~ends[:, step] & (budget > done)
             if not bool(live.any()):
                 break
             if interrupt is not None and (update := interrupt()) is not None:
                 break
             logits = self.decoder.step(tok)
-        self._append(seqs, tokens[:, :done], logps[:, :done], alive[:, :done])
+        self._append(seqs, tokens[:, :done], logps[:, :done], alive[:, :done], ends[:, :done])
         return update
+
+    def _stop_strings(
+        self, tok: torch.Tensor, live: torch.Tensor, history: list[list[int]], stops: tuple[str, ...]
+    ) -> torch.Tensor:
+        """Which live rows' new token completes a stop string (`history`: each row's tokens)."""
+        hits = []
+        for row, t, alive in zip(history, tok.tolist(), live.tolist()):
+            if alive:
+                row.append(t)
+            hits.append(alive and completes_stop(self.tokenizer, row, stops))
+        return torch.tensor(hits, dtype=torch.bool, device=live.device)
 
     def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefixes left-padded to one width (every row's last token aligned), and where the
@@ -126,13 +155,13 @@ class HFEngine(Engine):
             valid[i, width - len(r) :] = True
         return ids.to(self.device), valid.to(self.device)
 
-    def _append(self, seqs: list[SequenceState], tokens, logps, alive) -> None:
+    def _append(self, seqs: list[SequenceState], tokens, logps, alive, ends) -> None:
         """Hand the round's samples to the sequences (one host copy for the whole round)."""
-        tokens, logps, alive = tokens.cpu().tolist(), logps.cpu().tolist(), alive.cpu().tolist()
-        for seq, toks, lps, keep in zip(seqs, tokens, logps, alive):
-            for tok, lp, k in zip(toks, lps, keep):
+        rows = (t.cpu().tolist() for t in (tokens, logps, alive, ends))
+        for seq, toks, lps, keep, end in zip(seqs, *rows):
+            for tok, lp, k, e in zip(toks, lps, keep, end):
                 if k:
-                    seq.append(tok, lp, self.version, self.eos_id)
+                    seq.append(tok, lp, self.version, e)
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -12,6 +12,12 @@ Latency of one decode round of `b` sequences with `p` prompt tokens in all, `s` 
 Tokens are drawn uniformly from the model's vocabulary (end-of-sequence with `eos_prob`), and
 their log-probs are those of that sampling distribution, so sim trajectories are valid
 trajectories: the learner can train on them and the buffer cannot tell them apart.
+
+Sampling knobs: `stop_token_ids` and `stop` strings end a sequence as in the other engines
+(a stop token is drawn like any other word, so it ends a sequence by chance). temperature,
+top_k, top_p and min_p are accepted and ignored: there are no logits to transform, and the
+reported log-probs stay those of the distribution actually sampled from (uniform words,
+end-of-sequence with `eos_prob`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sluice.config.rollout import SimEngineConfig
-from sluice.rollout_svc.engines.base import Engine, InterruptPoll, SamplingParams, SequenceState, WeightUpdate
+from sluice.rollout_svc.engines.base import (
+    Engine,
+    InterruptPoll,
+    SamplingParams,
+    SequenceState,
+    WeightUpdate,
+    completes_stop,
+)
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
@@ -76,6 +89,7 @@ class SimEngine(Engine):
         self, seqs: list[SequenceState], params: SamplingParams, interrupt: InterruptPoll | None
     ) -> WeightUpdate | None:
         c = self.cfg
+        stop_ids = {self.tokenizer.eos_token_id, *params.stop_token_ids}
         self.sleep(c.call_s + c.prefill_s_per_token * sum(len(s.prefix) for s in seqs))
         while True:
             live = [s for s in seqs if s.active]
@@ -84,7 +98,10 @@ class SimEngine(Engine):
             self.sleep(c.decode_step_s + c.decode_s_per_seq * len(live))
             for s in live:
                 tok, logp = self._sample()
-                s.append(tok, logp, self.version, self.tokenizer.eos_token_id)
+                ends = tok in stop_ids or (
+                    bool(params.stop) and completes_stop(self.tokenizer, [*s.tokens, tok], params.stop)
+                )
+                s.append(tok, logp, self.version, ends)
             if interrupt is not None and (update := interrupt()) is not None:
                 return update
 

@@ -7,8 +7,17 @@ The service drives vLLM's `LLMEngine` request by request and step by step (`add_
 so the version of every token is known exactly.
 
 - Log-probs: `logprobs_mode="processed_logprobs"` makes vLLM report the log-prob of each
-  sampled token under the distribution it sampled from (after temperature), the same number
-  the learner recomputes (`tests/test_vllm_engine.py` measures the difference).
+  sampled token under the distribution it sampled from (after temperature, min_p, top_k,
+  top_p), the same number the learner recomputes with `sluice.modeling.sampling`, which
+  follows vLLM's order (`tests/test_vllm_engine.py` measures the difference).
+- Ends: vLLM stops at end-of-sequence, at `stop_token_ids` and at `stop` strings (its
+  detokenizer, so `detokenize` is on only when stop strings are set) and returns the token
+  that ended the sequence; every returned token comes with its log-prob (checked). As in the
+  hf engine, the token completing a stop string stays, and `include_stop_str_in_output`
+  keeps vLLM's own text the same as the service's decoding of those tokens. vLLM matches
+  stop strings in the text of one request, so in a `continue` round (a new request whose
+  prompt holds the tokens so far) a stop string straddling the weight update is not seen;
+  the hf engine sees it.
 - Weights: loaded in place through vLLM's weight-transfer registry with the `sluice_file`
   backend (`engines/vllm_transfer.py`): the tensors go to a safetensors file in shared memory,
   the worker loads them with layerwise reload. Then the prefix cache is reset, so no KV block
@@ -100,9 +109,15 @@ class VLLMEngine(Engine):
                 n=1,
                 max_tokens=s.remaining,
                 temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
+                stop=list(params.stop),
+                stop_token_ids=list(params.stop_token_ids),
+                include_stop_str_in_output=True,
                 logprobs=0,  # the sampled token's log-prob only
                 output_kind=RequestOutputKind.DELTA,
-                detokenize=False,
+                detokenize=bool(params.stop),  # vLLM's stop strings need its detokenizer
             )
             self.engine.add_request(rid, engine_input, sp)
             open_requests[rid] = s
@@ -112,15 +127,16 @@ class VLLMEngine(Engine):
                     raise RuntimeError(f"vLLM answered a generation request with {type(out).__name__}")
                 s = open_requests[out.request_id]
                 c = out.outputs[0]
-                for tok, lp in zip(c.token_ids, c.logprobs or []):
-                    if lp is None:
-                        raise RuntimeError(f"vLLM returned token {tok} without its log-prob")
-                    s.append(tok, lp[tok].logprob, self.version, self.eos_id)
                 if len(c.token_ids) != len(c.logprobs or []):
                     raise RuntimeError(
                         f"vLLM returned {len(c.token_ids)} tokens with {len(c.logprobs or [])} log-probs"
                     )
+                for tok, lp in zip(c.token_ids, c.logprobs or []):
+                    if lp is None:
+                        raise RuntimeError(f"vLLM returned token {tok} without its log-prob")
+                    s.append(tok, lp[tok].logprob, self.version, ends=False)
                 if out.finished:
+                    s.finished = c.finish_reason == "stop"  # eos, a stop token or a stop string
                     del open_requests[out.request_id]
             if open_requests and interrupt is not None and (update := interrupt()) is not None:
                 self.engine.abort_request(list(open_requests))

@@ -79,7 +79,21 @@ class RolloutConfig(Section):
     """Reward of a completion cut at its token budget instead of the task's (DAPO's overlong
     penalty in its simplest form). None: the task scores truncated completions itself."""
     temperature: float = Field(default=1.0, gt=0)
-    """Sampling temperature; behaviour log-probs are those of the tempered distribution."""
+    """Sampling temperature; behaviour log-probs are those of the distribution sampled from:
+    tempered, then filtered by min_p, top_k, top_p (sluice/modeling/sampling.py)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling: keep the most likely tokens whose probabilities sum to top_p (at least
+    one), renormalised. 1: off. The learner recomputes log-probs under the same filter."""
+    top_k: int = Field(default=0, ge=0)
+    """Keep the top_k most likely tokens (ties with the k-th kept). 0: off."""
+    min_p: float = Field(default=0.0, ge=0, lt=1)
+    """Keep tokens whose probability is at least min_p times the most likely token's. 0: off."""
+    stop: list[Annotated[str, Field(min_length=1)]] = []
+    """Stop strings: a completion ends (finished) with the token whose decoded text completes
+    one of them; that token and the stop string stay in the completion (and in the text the
+    task scores)."""
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    """Token ids that end a completion like end-of-sequence (finished; the token is kept)."""
     on_new_weights: Literal["finish", "continue", "abort"] = "finish"
     """When weights arrive mid-generation: finish (take them after the call: one version per
     call), continue (in-flight sequences go on under the new weights, per-token versions

@@ -8,6 +8,7 @@ ratios use.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ import torch
 
 from sluice.learner.batch import collate, token_logprobs
 from sluice.modeling import load_policy
-from sluice.rollout_svc.engines.base import Completion, WeightUpdate
+from sluice.modeling.sampling import SamplingTransform
+from sluice.rollout_svc.engines.base import Completion, SamplingParams, WeightUpdate
 from sluice.trajectory import Trajectory
 
 
@@ -25,10 +27,13 @@ def learner_logprobs(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     groups: Sequence[Sequence[Completion]],
-    temperature: float,
+    sampling: SamplingTransform | float,
     pad_id: int,
 ) -> list[list[np.ndarray]]:
-    """log pi(token) of every completion token under `model`, as the learner computes it."""
+    """log pi(token) of every completion token under `model`, as the learner computes it
+    (`sampling`: the rollouts' transform, or a temperature alone)."""
+    if not isinstance(sampling, SamplingTransform):
+        sampling = SamplingTransform(temperature=sampling)
     trajs = [
         Trajectory(
             traj_id=f"{i}/{j}",
@@ -45,7 +50,7 @@ def learner_logprobs(
     ]
     batch = collate(trajs, pad_id)
     with torch.no_grad():
-        logp = token_logprobs(model, batch, temperature)
+        logp = token_logprobs(model, batch, sampling)
     out, k = [], 0
     for g in groups:
         row = []
@@ -61,7 +66,7 @@ def max_logprob_error(
     weights: Mapping[int, Mapping[str, torch.Tensor]],
     prompts: Sequence[Sequence[int]],
     groups: Sequence[Sequence[Completion]],
-    temperature: float,
+    sampling: SamplingTransform | float,
     pad_id: int,
 ) -> float:
     """Largest |behaviour log-prob - learner log-prob| over all tokens, each token checked
@@ -70,7 +75,7 @@ def max_logprob_error(
     checked = 0
     for version, state in weights.items():
         model.load_state_dict(state, strict=False)
-        ref = learner_logprobs(model, prompts, groups, temperature, pad_id)
+        ref = learner_logprobs(model, prompts, groups, sampling, pad_id)
         for g, rg in zip(groups, ref):
             for c, r in zip(g, rg):
                 sel = c.versions == version
@@ -79,6 +84,33 @@ def max_logprob_error(
                     checked += int(sel.sum())
     assert checked == sum(len(c.token_ids) for g in groups for c in g), "a token's version has no weights"
     return worst
+
+
+def stop_reasons(codec: Any, groups: Sequence[Sequence[Completion]], params: SamplingParams) -> Counter[str]:
+    """Why each completion ended (eos, stop_token, stop_string, budget), checking that it
+    ended at its first end and not later: no earlier token is a stop token, no shorter prefix
+    decodes to text holding a stop string, `finished` unless it ran out of budget."""
+    stop_ids = set(params.stop_token_ids)
+    reasons: Counter[str] = Counter()
+    for g in groups:
+        for c in g:
+            toks = c.token_ids.tolist()
+            texts = [codec.decode(toks[:k], skip_special_tokens=True) for k in range(len(toks) + 1)]
+            for k in range(1, len(toks)):
+                assert toks[k - 1] not in stop_ids | {codec.eos_token_id}, (toks, k)
+                assert not any(s in texts[k] for s in params.stop), (toks, texts[k])
+            if toks and toks[-1] == codec.eos_token_id:
+                reason = "eos"
+            elif toks and toks[-1] in stop_ids:
+                reason = "stop_token"
+            elif any(s in texts[-1] for s in params.stop):
+                reason = "stop_string"
+            else:
+                reason = "budget"
+                assert len(toks) == params.max_new_tokens, toks
+            assert c.finished == (reason != "budget"), (toks, reason)
+            reasons[reason] += 1
+    return reasons
 
 
 def poll_after(calls: int, update: WeightUpdate) -> Callable[[], WeightUpdate | None]:
