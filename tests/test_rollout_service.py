@@ -288,3 +288,56 @@ def test_service_0_evaluates_every_kth_version_on_held_out_prompts(tmp_path, sha
     )
     held = {tuple(p.reference) for p in service.producer.task.held_out(5)}
     assert not held & {tuple(p.reference) for p in service.producer.task.sample(500)}  # never trained on
+
+
+MULTI_TURN = '''
+from sluice.config.base import Section
+from sluice.rollout_svc.tasks.base import EnvReply, Episode, MultiTurnTask, Prompt
+
+
+class Echo(Episode):
+    """Replies once with `= 7`, then ends; the reward counts the model's turns' words."""
+
+    def __init__(self):
+        self.words = 0
+        self.replied = False
+
+    def respond(self, model_text, finished):
+        self.words += len(model_text.split())
+        if not self.replied:
+            self.replied = True
+            return EnvReply("= 7")
+        return EnvReply(None, reward=float(self.words), info={"words": self.words})
+
+    def cut_short(self):
+        return EnvReply(None, reward=-1.0)
+
+
+class EchoTask(MultiTurnTask):
+    Config = Section
+    max_turns = 3
+
+    def sample(self, n):
+        return [Prompt(f"e{i}", "1 2 =", None) for i in range(n)]
+
+    def start(self, prompt):
+        return Echo()
+'''
+
+
+def test_a_multi_turn_environment_by_file_reference(tmp_path, shard_factory):
+    (tmp_path / "echo_env.py").write_text(MULTI_TURN)
+    cfg, _ = sim_config(
+        tmp_path, shard_factory(), task={"name": f"{tmp_path}/echo_env.py:EchoTask", "params": {}}
+    )
+    st = ServiceThread(cfg)
+    st.run_until(lambda s: s.delivered >= 8)
+    got = st.buffered(cfg)
+    assert got and all("loss_mask" in t.arrays for t in got) and any(t.reward >= 0 for t in got)
+    env_tokens = st.service.producer.tokenizer.encode("= 7", add_special_tokens=False)
+    for t in got:
+        mask, ids = t.arrays["loss_mask"].tolist(), t.arrays["completion_ids"].tolist()
+        if t.reward >= 0:  # ended by the environment: its reply is in the middle, not trained on
+            start = mask.index(0)
+            assert ids[start : start + 2] == env_tokens and mask[start : start + 2] == [0, 0]
+            assert t.info["words"] == t.reward

@@ -1,0 +1,133 @@
+"""User code without editing Sluice, end to end through real `sluice run` processes: an installed
+plugin package found by entry points (examples/sluice-plugin-example: a task, two rewards one
+of them async, a custom loss), the same task and rewards by file reference under the local and
+the Ray launcher, and a reward that raises failing the run with its traceback, not restarted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.runs import ROOT, sluice_run
+
+from sluice.metrics import read_jsonl
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = ROOT / "examples" / "sluice-plugin-example"
+SOURCE = EXAMPLE / "src" / "sluice_plugin_example"
+REWARDS_BY_NAME = "task.rewards=[{fn: first_digit_right, weight: 0.7}, {fn: stops_after_one, weight: 0.3}]"
+
+
+def rewards_by_file() -> str:
+    f = SOURCE / "rewards.py"
+    first, stops = f"'{f}:first_digit_right'", f"'{f}:stops_after_one'"
+    return f"task.rewards=[{{fn: {first}, weight: 0.7}}, {{fn: {stops}, weight: 0.3}}]"
+
+
+def install_example(target: Path) -> dict[str, str]:
+    """pip-install the example package into `target`; the environment that finds it."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
+        check=True,
+        timeout=300,
+    )
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")])),
+    }
+
+
+def learned(run_dir: Path, gain: float) -> list[float]:
+    rewards = [r["reward_mean"] for r in read_jsonl(run_dir / "metrics" / "learner.jsonl")]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + gain, (first, last)
+    return rewards
+
+
+def rollout_record(run_dir: Path) -> dict:
+    return read_jsonl(run_dir / "metrics" / "rollout-0.jsonl")[-1]
+
+
+def test_an_installed_plugin_package_is_found_by_entry_points_and_trains(tmp_path):
+    env = install_example(tmp_path / "site")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "sluice.cli", "run", str(ROOT / "configs" / "quickstart.yaml"),
+            f"run.dir={run_dir}", "rollout.engine=hf", "--no-progress",
+            "task.name=first_digit", REWARDS_BY_NAME, "learner.loss.type=reinforce",
+            "learner.loss.params={scale: 1.0}", "learner.total_steps=100", "task.eval.every=25",
+            "task.eval.prompts=16",
+        ],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    learned(run_dir, gain=0.15)
+    record = rollout_record(run_dir)
+    assert {"mean/reward_first_digit_right", "mean/reward_stops_after_one", "mean/prompt_digits"} <= set(
+        record
+    )
+    assert record["reward_errors"] == 0 and record["reward_timeouts"] == 0
+    assert "logp_mean" in read_jsonl(run_dir / "metrics" / "learner.jsonl")[-1]  # the custom loss's metric
+    evals = read_jsonl(run_dir / "metrics" / "eval.jsonl")
+    assert len(evals) >= 4 and {"greedy_reward", "sampled_reward"} <= set(evals[-1])
+
+
+def test_a_task_and_rewards_from_files_outside_the_package_train(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = sluice_run(
+        run_dir,
+        f"task.name={SOURCE / 'task.py'}:FirstDigitTask",
+        rewards_by_file(),
+        "learner.total_steps=100",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    learned(run_dir, gain=0.15)
+    assert "mean/reward_first_digit_right" in rollout_record(run_dir)
+
+
+def test_the_ray_launcher_resolves_file_references_the_same_way(tmp_path):
+    pytest.importorskip("ray")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "sluice.cli", "ray", str(ROOT / "configs" / "quickstart.yaml"),
+            f"run.dir={run_dir}", "ray.local_num_cpus=4", "rollout.engine=hf", "--no-progress",
+            f"task.name={SOURCE / 'task.py'}:FirstDigitTask", rewards_by_file(), "learner.total_steps=40",
+        ],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 40
+    assert "mean/reward_stops_after_one" in rollout_record(run_dir)
+
+
+def test_a_reward_that_raises_fails_the_run_with_its_traceback_and_no_restart(tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text(
+        "def strict(prompt, completion, reference):\n    raise LookupError(f'no checker for {reference!r}')\n"
+    )
+    run_dir = tmp_path / "run"
+    proc = sluice_run(run_dir, f"task.rewards=[{{fn: '{bad}:strict'}}]", timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output[-3000:]
+    assert "exited with code 3" in output and "LookupError: no checker for" in output  # shown to the user
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("rollout-*.log"))
+    assert "Traceback" in logs and "LookupError: no checker for" in logs and "on_error=fail" in logs
+    events = [e["event"] for e in read_jsonl(run_dir / "metrics" / "launcher.jsonl")]
+    assert "restarted" not in events  # a restart would fail the same way
