@@ -54,13 +54,14 @@ reward        task.score(prompt, decode(ids,             the same score() on bat
               skip_special_tokens=True), finished),      skip_special_tokens=True) (ids cut after the first
               finished = EOS sampled                     EOS), finished = EOS in ids
 advantages    (r - mean_g) / (std_g + 1e-4), unbiased    scale_rewards="group": the same formula, unbiased
-              std (learner.loss.normalize_std=true,      std, 1e-4 (hard-coded)
-              learner.loss.adv_eps = its default 1e-4)
+              std (learner.llm.normalize_std=true,       std, 1e-4 (hard-coded)
+              learner.llm.adv_eps = its default 1e-4)
 loss          learner.loss.type=grpo                     loss_type="dapo": -sum_t min(r A, clip(r) A) /
-              learner.loss.aggregation=token:            tokens in the generation batch; r = pi / pi_old
+              learner.llm.aggregation=token:             tokens in the generation batch; r = pi / pi_old
               -sum_t min(pi/mu, is_cap) A log pi /       = 1 at num_iterations=1, so the gradient is
               tokens in the batch                        -sum_t A grad log pi / tokens
-KL, entropy   learner.loss.kl_coef=0.0, entropy_coef=0.0 beta=0.0 (no reference model), entropy_coef=0.0
+KL, entropy   learner.llm.kl_coef=0.0; the LLM objective beta=0.0 (no reference model), entropy_coef=0.0
+              has no entropy term
 updates       learner.epochs=1 minibatches=1             num_iterations=1, steps_per_generation=1
               micro_batches=1                            (one optimizer update per generation batch)
 optimiser     torch AdamW, fused kernel (CPU, CUDA),     optim="adamw_torch_fused" (the same kernel: the
@@ -113,7 +114,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from sluice.config.learner import LearnerConfig, LossConfig  # noqa: E402
+from sluice.config.learner import LearnerConfig  # noqa: E402
 from sluice.launch.local import Tail  # noqa: E402
 from sluice.metrics import read_jsonl  # noqa: E402
 
@@ -140,7 +141,7 @@ WINDOW = 5
 TRL_THREADS = 2
 TASK_SEED = 7919  # a rollout service's task seed is run.seed * 7919 + its index
 LEARNER = LearnerConfig()  # Sluice's optimiser defaults, passed explicitly to both systems
-ADV_EPS = LossConfig().adv_eps  # TRL's group advantages hard-code 1e-4
+ADV_EPS = LearnerConfig().llm.adv_eps  # TRL's group advantages hard-code 1e-4
 SETUP_HINT = (
     "trl is not installed: run `bash scripts/setup_bench.sh` (trl==1.16.0 into .venv, torch untouched)"
 )
@@ -319,11 +320,10 @@ def sluice_overrides(task: str, seed: int, model_dir: Path, run_dir: Path, max_s
         "learner.minibatches=1",
         "learner.micro_batches=1",
         "learner.loss.type=grpo",
-        "learner.loss.aggregation=token",
-        "learner.loss.normalize_std=true",
-        f"learner.loss.adv_eps={ADV_EPS}",
-        "learner.loss.kl_coef=0.0",
-        "learner.loss.entropy_coef=0.0",
+        "learner.llm.aggregation=token",
+        "learner.llm.normalize_std=true",
+        f"learner.llm.adv_eps={ADV_EPS}",
+        "learner.llm.kl_coef=0.0",
     ]
 
 

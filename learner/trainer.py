@@ -30,7 +30,7 @@ def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir
 
         if not isinstance(model, MLPPolicy):
             raise TypeError(f"model.kind mlp: expected an MLPPolicy, loaded a {type(model).__name__}")
-        return EnvObjective(cfg.learner.loss, model.config.obs_dim, device)
+        return EnvObjective(cfg.learner.loss, cfg.learner.classic, model.config.obs_dim, device)
     from sluice.learner.objectives.token import TokenObjective
     from sluice.modeling.sampling import SamplingTransform
 
@@ -42,6 +42,7 @@ def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir
         device,
         reference_dir=model_dir,
         dtype=cfg.model.dtype,
+        llm=cfg.learner.llm,
     )
 
 

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from sluice.config import ConfigError, EnvConfig, LossConfig, MLPModelInit, load_config
+from sluice.config import (
+    ClassicObjectiveConfig,
+    ConfigError,
+    EnvConfig,
+    MLPModelInit,
+    load_config,
+    parse_loss,
+)
 from sluice.config.policy import policy_of_service, policy_view, services_of
 from sluice.learner.dist import DistContext
 from sluice.learner.objectives.env import EnvObjective, collate_segments, evaluate
@@ -14,6 +21,8 @@ from sluice.modeling.mlp import MLPPolicy, build_mlp_policy
 from sluice.rollout_svc.env_service import MLPActor
 from sluice.rollout_svc.envs.gym_runner import GymRunner
 from sluice.trajectory import Trajectory
+
+CLASSIC = ["rollout.kind=env", "model.kind=mlp", "learner.loss.type=ppo"]
 
 
 def random_policy(seed: int):
@@ -146,7 +155,8 @@ def test_env_objective_bootstraps_truncated_steps_from_their_final_state():
 def test_env_objective_pieces_cover_the_batch_and_sum_to_the_whole_loss(loss_type):
     torch.manual_seed(0)
     model = build_mlp_policy(MLPModelInit(), 4, 2)
-    obj = EnvObjective(LossConfig(type=loss_type, gamma=0.9, entropy_coef=0.01), 4, torch.device("cpu"))
+    classic = ClassicObjectiveConfig(gamma=0.9, entropy_coef=0.01)
+    obj = EnvObjective(parse_loss({"type": loss_type}), classic, 4, torch.device("cpu"))
     batch = obj.prepare(model, [segment(None), segment(2), segment(1)], DistContext())
     whole = obj.micro(batch, 1)
     pieces = obj.micro(batch, 2)
@@ -173,15 +183,14 @@ def test_config_kinds_must_agree():
     with pytest.raises(ConfigError, match="trained leases are held"):
         load_config(None, ["learner.checkpoint_every=10", "buffer.capacity=1000"])
     with pytest.raises(ConfigError, match="policy ids must be unique"):
-        load_config(None, ["rollout.kind=env", "model.kind=mlp", "learner.policies=[a, a]"])
+        load_config(None, [*CLASSIC, "learner.policies=[a, a]"])
 
 
 def test_policy_groups_get_their_services_and_ports():
     cfg = load_config(
         None,
         [
-            "rollout.kind=env",
-            "model.kind=mlp",
+            *CLASSIC,
             "rollout.services=5",
             "learner.policies=[red, blue]",
             "control.port=1000",
@@ -195,6 +204,6 @@ def test_policy_groups_get_their_services_and_ports():
     assert policy_view(cfg, "red") is cfg
     blue = policy_view(cfg, "blue")
     assert (blue.control.port, blue.weight_sync.master_port, blue.learner.master_port) == (1001, 2001, 3001)
-    missing = load_config(None, ["rollout.kind=env", "model.kind=mlp", "learner.policies=[red, blue]"])
+    missing = load_config(None, [*CLASSIC, "learner.policies=[red, blue]"])
     with pytest.raises(ValueError, match="group_ports.blue"):
         policy_view(missing, "blue")

@@ -39,7 +39,7 @@ def test_grpo_loss_by_hand():
     w = [1.0, math.exp(0.5), 2.0]
     expected = -(w[0] * 1 * -1.0 + w[1] * 1 * -2.0 + w[2] * -2 * -0.5) / 3
     assert math.isclose(out.loss.item(), expected, rel_tol=1e-6)
-    assert math.isclose(out.is_truncated_frac, 1 / 3, rel_tol=1e-6)
+    assert math.isclose(out.metrics["is_truncated_frac"], 1 / 3, rel_tol=1e-6)
     out.loss.backward()
     # d loss / d logp = -w * A / n_tokens on real tokens, 0 on padding
     grad = torch.tensor([[-w[0] / 3, -w[1] / 3], [-w[2] * -2 / 3, 0.0]])

@@ -234,11 +234,15 @@ def test_checkpoint_restores_model_optimizer_and_state_and_exports(tmp_path, kin
 
 
 @pytest.mark.parametrize(
-    "loss",
-    [{"type": "grpo", "aggregation": "sequence"}, {"type": "ppo"}, {"type": "decoupled_ppo", "kl_coef": 0.1}],
+    ("loss", "llm"),
+    [
+        ({"type": "grpo"}, {"aggregation": "sequence"}),
+        ({"type": "ppo"}, {}),
+        ({"type": "decoupled_ppo"}, {"kl_coef": 0.1}),
+    ],
 )
-def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss):
-    from sluice.config import LossConfig
+def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss, llm):
+    from sluice.config import LLMObjectiveConfig, parse_loss
     from sluice.learner.losses.aggregate import Denominator
     from sluice.learner.objectives.token import TokenObjective
     from sluice.modeling import load_policy
@@ -260,12 +264,13 @@ def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss):
         for p in model.parameters():  # make pi differ from the reference (the saved initial weights)
             p.add_(0.05 * torch.randn_like(p))
     obj = TokenObjective(
-        LossConfig(**loss),
+        parse_loss(loss),
         tok.pad_token_id,
         tok.bos_token_id,
         SamplingTransform(),
         torch.device("cpu"),
         model_dir,
+        llm=LLMObjectiveConfig(**llm),
     )
     trajs = [traj(i, f"g{i // 3}", n) for i, n in enumerate([1, 4, 2, 6, 3, 1])]
     for t in trajs:
@@ -278,5 +283,5 @@ def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss):
     parts = obj.micro(piece, 4)
     assert sum(obj.counts(p)[0] for p in parts) == 17
     assert torch.allclose(sum(obj.loss(model, p, denom)[0] for p in parts), whole, atol=1e-6)
-    if loss.get("kl_coef"):
+    if llm.get("kl_coef"):
         assert stats["kl_ref"] > 0

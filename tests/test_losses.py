@@ -68,8 +68,8 @@ def test_clipped_surrogate_with_clip_higher_by_hand():
     out = clipped_surrogate(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, mode="token", denom=d)
     per = [-min(1.5 * 2, 1.28 * 2), -min(0.5 * 1, 0.8 * 1), -min(0.7 * -1, 0.8 * -1)]
     assert close(out.loss, sum(per) / 3)
-    assert close(out.clip_frac, 2 / 3)  # tokens 0 and 2 took the clipped term
-    assert close(out.ratio_mean, (1.5 + 0.5 + 0.7) / 3)
+    assert close(out.metrics["clip_frac"], 2 / 3)  # tokens 0 and 2 took the clipped term
+    assert close(out.metrics["ratio_mean"], (1.5 + 0.5 + 0.7) / 3)
     out.loss.backward()
     # clipped tokens get no gradient; the unclipped one gets -A * r / n (d r / d logp = r)
     assert torch.allclose(logp.grad, T([[0.0, -1.0 * 0.5 / 3], [0.0, 0.0]]), atol=1e-7)
@@ -90,14 +90,14 @@ def test_decoupled_ppo_by_hand():
         logp, proximal, behaviour, adv, mask, 0.2, 0.2, 2.0, "token", Denominator.of(mask)
     )
     assert close(out.loss, -(1.2 * 1.1 + 2.0 * 1.0) / 2, 1e-5)
-    assert close(out.is_weight_mean, 1.6) and close(out.is_weight_max, 2.0)
-    assert close(out.is_truncated_frac, 0.5) and close(out.clip_frac, 0.0)
+    assert close(out.metrics["is_weight_mean"], 1.6) and close(out.metrics["is_weight_max"], 2.0)
+    assert close(out.metrics["is_truncated_frac"], 0.5) and close(out.metrics["clip_frac"], 0.0)
     # without recomputation the proximal policy is mu: weights are 1 and it is PPO against mu
     plain = decoupled_ppo_loss(
         logp, behaviour, behaviour, adv, mask, 0.2, 0.2, 2.0, "token", Denominator.of(mask)
     )
     ppo = clipped_surrogate(logp, behaviour, adv, mask, 0.2, 0.2, "token", Denominator.of(mask))
-    assert close(plain.loss, ppo.loss) and close(plain.is_weight_mean, 1.0)
+    assert close(plain.loss, ppo.loss) and close(plain.metrics["is_weight_mean"], 1.0)
     assert close(plain.loss, -(1.2 * 1 + 1.2 * 1) / 2, 1e-5)  # ratios 1.32 and 4 clipped to 1.2
 
 
@@ -136,7 +136,7 @@ def test_grpo_loss_with_global_denominator_sums_over_pieces():
         for i in range(2)
     ]
     assert close(sum(p.loss for p in pieces), whole.loss)
-    assert close(sum(p.is_truncated_frac for p in pieces), whole.is_truncated_frac)
+    assert close(sum(p.metrics["is_truncated_frac"] for p in pieces), whole.metrics["is_truncated_frac"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,5 +259,5 @@ def test_vtrace_loss_by_hand():
     value = 0.5 * ((targets.vs[0, 0] - 0.5) ** 2 + (targets.vs[0, 1] - 1.0) ** 2) / 2
     ent = math.log(2)
     assert close(out.loss, policy + 0.5 * value - 0.01 * ent, 1e-5)
-    assert close(out.rho_mean, (1.0 + 1.0) / 2)  # ratios 1 and 2, capped at 1
-    assert close(out.rho_truncated_frac, 1.0)
+    assert close(out.metrics["is_weight_mean"], (1.0 + 1.0) / 2)  # ratios 1 and 2, capped at 1
+    assert close(out.metrics["is_truncated_frac"], 1.0)

@@ -13,12 +13,11 @@ Without recomputation (pi_prox := mu) the weights are 1 and this is plain PPO ag
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from sluice.learner.losses.aggregate import Aggregation, Denominator, masked_sum
-from sluice.learner.losses.ppo import SurrogateOutput, clipped_surrogate
+from sluice.learner.losses.base import LossOutput
+from sluice.learner.losses.ppo import clipped_surrogate
 
 
 def behaviour_weights(
@@ -27,13 +26,6 @@ def behaviour_weights(
     """(w = min(exp(prox - mu), cap), truncated = raw weight above the cap). Detached."""
     raw = torch.exp((proximal_logprobs - behaviour_logprobs).detach())
     return raw.clamp(max=is_cap), raw > is_cap
-
-
-@dataclass
-class DecoupledOutput(SurrogateOutput):
-    is_weight_mean: torch.Tensor  # mean behaviour weight over tokens (detached)
-    is_weight_max: torch.Tensor
-    is_truncated_frac: torch.Tensor  # share of tokens whose weight hit the cap
 
 
 def decoupled_ppo_loss(
@@ -47,7 +39,9 @@ def decoupled_ppo_loss(
     is_cap: float,
     mode: Aggregation,
     denom: Denominator,
-) -> DecoupledOutput:
+) -> LossOutput:
+    """clipped_surrogate's metrics, and is_weight_mean, is_weight_max (behaviour weights over
+    tokens), is_truncated_frac (share of tokens whose weight hit the cap)."""
     weights, truncated = behaviour_weights(proximal_logprobs, behaviour_logprobs, is_cap)
     out = clipped_surrogate(
         logprobs, proximal_logprobs.detach(), advantages, mask, clip_low, clip_high, mode, denom, weights
@@ -55,9 +49,9 @@ def decoupled_ppo_loss(
     with torch.no_grad():
         n = max(denom.tokens, 1.0)
         m = mask.to(weights.dtype)
-        return DecoupledOutput(
-            **vars(out),
+        out.metrics.update(
             is_weight_mean=masked_sum(weights, mask) / n,
             is_weight_max=(weights * m).max() if m.numel() else torch.zeros(()),
             is_truncated_frac=masked_sum(truncated.to(weights.dtype), mask) / n,
         )
+    return out

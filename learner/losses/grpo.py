@@ -11,11 +11,11 @@ giving the surrogate  L = -sum_t w_t * A * log pi_theta(a_t|s_t) / #tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from sluice.learner.losses.aggregate import Aggregation, Denominator, aggregate
+from sluice.learner.losses.base import LossOutput
 
 
 def group_advantages(
@@ -42,15 +42,6 @@ def group_indices(group_ids: Sequence[str]) -> torch.Tensor:
     return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
 
 
-@dataclass
-class PolicyLossOutput:
-    loss: torch.Tensor
-    # Detached 0-d tensors where the loss is (no host sync per micro-batch):
-    is_weight_mean: torch.Tensor
-    is_truncated_frac: torch.Tensor  # fraction of tokens whose IS weight hit the cap
-    log_ratio_abs_mean: torch.Tensor  # mean |log pi_theta - log mu|, a staleness/mismatch gauge
-
-
 def grpo_loss(
     logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -59,9 +50,12 @@ def grpo_loss(
     is_cap: float,
     mode: Aggregation = "token",
     denom: Denominator | None = None,
-) -> PolicyLossOutput:
+) -> LossOutput:
     """logprobs, behaviour_logprobs, mask: [B, T]; advantages: [B]. `denom` holds the counts
-    of the whole batch when this is one piece of it (default: this batch's own counts)."""
+    of the whole batch when this is one piece of it (default: this batch's own counts).
+    Metrics (detached, where the loss is: no host sync per micro-batch): is_weight_mean,
+    is_truncated_frac (tokens whose IS weight hit the cap), log_ratio_abs_mean (mean
+    |log pi_theta - log mu|, a staleness/mismatch gauge)."""
     denom = denom or Denominator.of(mask)
     mask = mask.to(logprobs.dtype)
     n_tokens = max(denom.tokens, 1.0)
@@ -71,9 +65,9 @@ def grpo_loss(
     loss = aggregate(-surrogate, mask, mode, denom)
     with torch.no_grad():
         truncated = ((torch.exp(log_ratio) >= is_cap).to(mask.dtype) * mask).sum() / n_tokens
-        return PolicyLossOutput(
-            loss=loss,
-            is_weight_mean=(weight * mask).sum() / n_tokens,
-            is_truncated_frac=truncated,
-            log_ratio_abs_mean=log_ratio.abs().sum() / n_tokens,
-        )
+        metrics = {
+            "is_weight_mean": (weight * mask).sum() / n_tokens,
+            "is_truncated_frac": truncated,
+            "log_ratio_abs_mean": log_ratio.abs().sum() / n_tokens,
+        }
+    return LossOutput(loss, metrics)

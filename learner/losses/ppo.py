@@ -10,11 +10,10 @@ DAPO's clip-higher: more room for raising the probability of unlikely good token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from sluice.learner.losses.aggregate import Aggregation, Denominator, aggregate, masked_sum
+from sluice.learner.losses.base import LossOutput
 
 
 def gae(
@@ -45,14 +44,6 @@ def gae(
     return adv, adv + values
 
 
-@dataclass
-class SurrogateOutput:
-    loss: torch.Tensor
-    clip_frac: torch.Tensor  # share of tokens where the clipped term was the one taken (detached)
-    ratio_mean: torch.Tensor  # mean of r_t (detached)
-    approx_kl: torch.Tensor  # mean of (r - 1) - log r, KL(pi_old || pi) estimate (detached)
-
-
 def clipped_surrogate(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -63,9 +54,11 @@ def clipped_surrogate(
     mode: Aggregation,
     denom: Denominator,
     weights: torch.Tensor | None = None,
-) -> SurrogateOutput:
+) -> LossOutput:
     """All inputs [B, T] (advantages may be [B] and are broadcast over T). `weights` are
-    detached per-token multipliers (decoupled PPO's behaviour weights)."""
+    detached per-token multipliers (decoupled PPO's behaviour weights). Metrics (detached):
+    clip_frac (share of tokens where the clipped term was the one taken), ratio_mean (mean of
+    r_t), approx_kl (mean of (r - 1) - log r, a KL(pi_old || pi) estimate)."""
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
     log_ratio = logprobs - old_logprobs
@@ -79,12 +72,12 @@ def clipped_surrogate(
     with torch.no_grad():
         n = max(denom.tokens, 1.0)
         was_clipped = (clipped < unclipped).to(ratio.dtype)
-        return SurrogateOutput(
-            loss=loss,
-            clip_frac=masked_sum(was_clipped, mask) / n,
-            ratio_mean=masked_sum(ratio, mask) / n,
-            approx_kl=masked_sum((ratio - 1.0) - log_ratio, mask) / n,
-        )
+        metrics = {
+            "clip_frac": masked_sum(was_clipped, mask) / n,
+            "ratio_mean": masked_sum(ratio, mask) / n,
+            "approx_kl": masked_sum((ratio - 1.0) - log_ratio, mask) / n,
+        }
+    return LossOutput(loss, metrics)
 
 
 def value_loss(

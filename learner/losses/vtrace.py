@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.learner.losses.aggregate import Denominator, aggregate, categorical_entropy, masked_sum
+from sluice.learner.losses.base import LossOutput
 
 
 @dataclass
@@ -61,16 +62,6 @@ def vtrace_targets(
     return VTraceTargets(vs=vs, pg_advantages=pg_adv, rhos=rhos)
 
 
-@dataclass
-class VTraceLossOutput:
-    loss: torch.Tensor
-    policy_loss: torch.Tensor  # detached terms from here on
-    value_loss: torch.Tensor
-    entropy: torch.Tensor
-    rho_mean: torch.Tensor
-    rho_truncated_frac: torch.Tensor
-
-
 def vtrace_loss(
     logits: torch.Tensor,
     actions: torch.Tensor,
@@ -81,19 +72,21 @@ def vtrace_loss(
     rho_bar: float,
     value_coef: float,
     entropy_coef: float,
-) -> VTraceLossOutput:
-    """logits [B, T, A], actions [B, T], values [B, T] (with grad). Step-level means."""
+) -> LossOutput:
+    """logits [B, T, A], actions [B, T], values [B, T] (with grad). Step-level means. Metrics
+    (detached): policy_loss, value_loss, entropy, is_weight_mean and is_truncated_frac (of the
+    truncated importance weights rho)."""
     logp = torch.log_softmax(logits, dim=-1).gather(-1, actions[..., None]).squeeze(-1)
     policy = aggregate(-targets.pg_advantages * logp, mask, "token", denom)
     value = 0.5 * aggregate((targets.vs - values) ** 2, mask, "token", denom)
     entropy = aggregate(categorical_entropy(logits), mask, "token", denom)
     loss = policy + value_coef * value - entropy_coef * entropy
     n = max(denom.tokens, 1.0)
-    return VTraceLossOutput(
-        loss=loss,
-        policy_loss=policy.detach(),
-        value_loss=value.detach(),
-        entropy=entropy.detach(),
-        rho_mean=masked_sum(targets.rhos, mask) / n,
-        rho_truncated_frac=masked_sum((targets.rhos >= rho_bar).to(values.dtype), mask) / n,
-    )
+    metrics = {
+        "policy_loss": policy.detach(),
+        "value_loss": value.detach(),
+        "entropy": entropy.detach(),
+        "is_weight_mean": masked_sum(targets.rhos, mask) / n,
+        "is_truncated_frac": masked_sum((targets.rhos >= rho_bar).to(values.dtype), mask) / n,
+    }
+    return LossOutput(loss, metrics)

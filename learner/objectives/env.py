@@ -5,7 +5,10 @@ without gradient: values of every state (and of the final states of truncated ep
 log-probs of the taken actions. PPO then computes GAE advantages and returns, flattens the
 segments into steps and shuffles them into minibatches. V-trace keeps whole segments (its
 targets are recursions along time) and computes its targets inside the loss from the values
-of the same forward pass, detached, as IMPALA does.
+of the same forward pass, detached, as IMPALA does. PPO's policy term comes from the token-loss
+table (learner/losses/registry.py), the steps of a minibatch being the tokens of one row.
+Custom losses are for the token objective: a classic run with one is a config error
+(sluice/config/loss.py, `check_objective`).
 """
 
 from __future__ import annotations
@@ -16,11 +19,20 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from sluice.config.learner import LossConfig
+from sluice.config.errors import ConfigError
+from sluice.config.loss import (
+    ClassicObjectiveConfig,
+    DecoupledPPOLoss,
+    LossConfig,
+    PPOLoss,
+    VTraceLoss,
+    needs_proximal,
+)
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator, aggregate, categorical_entropy
-from sluice.learner.losses.decoupled import decoupled_ppo_loss
-from sluice.learner.losses.ppo import clipped_surrogate, gae, value_loss
+from sluice.learner.losses.base import TokenLossInputs
+from sluice.learner.losses.ppo import gae, value_loss
+from sluice.learner.losses.registry import TOKEN_LOSSES
 from sluice.learner.losses.vtrace import vtrace_loss, vtrace_targets
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.trajectory import Trajectory
@@ -97,8 +109,16 @@ def evaluate(module, seg: Segments) -> tuple[torch.Tensor, torch.Tensor, torch.T
 class EnvObjective(Objective):
     whole_groups = False
 
-    def __init__(self, loss: LossConfig, obs_dim: int, device: torch.device) -> None:
+    def __init__(
+        self, loss: LossConfig, classic: ClassicObjectiveConfig, obs_dim: int, device: torch.device
+    ) -> None:
+        if not isinstance(loss, PPOLoss | DecoupledPPOLoss | VTraceLoss):
+            raise ConfigError(
+                f"config error: learner.loss.type: {loss.type!r} is not a classic-RL loss "
+                "(ppo, decoupled_ppo, vtrace)"
+            )
         self.cfg = loss
+        self.classic = classic
         self.obs_dim = obs_dim
         self.device = device
 
@@ -123,15 +143,15 @@ class EnvObjective(Objective):
     def prepare(self, module, trajs: Sequence[Trajectory], dist: DistContext):
         seg = collate_segments(trajs, self.device) if trajs else self._dummy_segments()
         empty = not trajs
-        if self.cfg.type == "vtrace":
+        if isinstance(self.cfg, VTraceLoss):
             return (seg, empty)
-        c = self.cfg
+        c = self.classic
         with torch.no_grad():
             _, values, next_values, logp = evaluate(module, seg)
             adv, ret = gae(seg.rewards, values, next_values, seg.terminated, seg.ended, c.gamma, c.gae_lambda)
             if c.normalize_advantages:
                 adv = self._whiten(adv, 0 if empty else adv.numel(), dist)
-        proximal = logp if (c.type == "decoupled_ppo" and c.recompute_proximal) else seg.behaviour_logprobs
+        proximal = logp if needs_proximal(self.cfg) else seg.behaviour_logprobs
         steps = Steps(
             obs=seg.obs[:, :-1].reshape(-1, self.obs_dim),
             actions=seg.actions.reshape(-1),
@@ -208,7 +228,8 @@ class EnvObjective(Objective):
         return loss, stats
 
     def _vtrace(self, module, seg: Segments, denom: Denominator) -> tuple[torch.Tensor, Stats]:
-        c = self.cfg
+        c, v = self.classic, self.cfg
+        assert isinstance(v, VTraceLoss)
         logits, values, next_values, logp = evaluate(module, seg)
         targets = vtrace_targets(
             logp.detach(),
@@ -219,72 +240,39 @@ class EnvObjective(Objective):
             seg.terminated,
             seg.ended,
             c.gamma,
-            c.vtrace_rho_bar,
-            c.vtrace_c_bar,
-            c.vtrace_lambda,
+            v.rho_bar,
+            v.c_bar,
+            v.trace_lambda,
         )
         mask = torch.ones_like(seg.rewards)
         out = vtrace_loss(
-            logits, seg.actions, values, targets, mask, denom, c.vtrace_rho_bar, c.value_coef, c.entropy_coef
+            logits, seg.actions, values, targets, mask, denom, v.rho_bar, c.value_coef, c.entropy_coef
         )
-        stats = {
-            "policy_loss": out.policy_loss,
-            "value_loss": out.value_loss,
-            "entropy": out.entropy,
-            "is_weight_mean": out.rho_mean,
-            "is_truncated_frac": out.rho_truncated_frac,
-        }
-        return out.loss, stats
+        return out.loss, dict(out.metrics)
 
     def _ppo(self, module, s: Steps, denom: Denominator) -> tuple[torch.Tensor, Stats]:
-        c = self.cfg
+        c = self.classic
         logits, values = module(s.obs)
         logp = torch.log_softmax(logits, -1).gather(-1, s.actions[:, None]).squeeze(-1)
         row = lambda x: x[None]  # noqa: E731 - steps as one row of a [1, N] batch
         mask = torch.ones_like(row(s.advantages))
-        if c.type == "decoupled_ppo":
-            out = decoupled_ppo_loss(
-                row(logp),
-                row(s.proximal_logprobs),
-                row(s.behaviour_logprobs),
-                row(s.advantages),
-                mask,
-                c.clip_low,
-                c.clip_high,
-                c.is_cap,
-                "token",
-                denom,
-            )
-            stats = {
-                "is_weight_mean": out.is_weight_mean,
-                "is_weight_max": out.is_weight_max,
-                "is_truncated_frac": out.is_truncated_frac,
-            }
-        else:
-            out = clipped_surrogate(
-                row(logp),
-                row(s.behaviour_logprobs),
-                row(s.advantages),
-                mask,
-                c.clip_low,
-                c.clip_high,
-                "token",
-                denom,
-            )
-            stats = {}
+        x = TokenLossInputs(
+            row(logp),
+            row(s.behaviour_logprobs),
+            row(s.proximal_logprobs),
+            row(s.advantages),
+            mask,
+            "token",
+            denom,
+        )
+        out = TOKEN_LOSSES[self.cfg.type](x, self.cfg)
         v_loss = value_loss(
             row(values), row(s.returns), mask, "token", denom, row(s.old_values), c.value_clip
         )
         entropy = aggregate(row(categorical_entropy(logits)), mask, "token", denom)
         loss = out.loss + c.value_coef * v_loss - c.entropy_coef * entropy
-        stats.update(
-            policy_loss=out.loss.detach(),
-            value_loss=v_loss.detach(),
-            entropy=entropy.detach(),
-            clip_frac=out.clip_frac,
-            ratio_mean=out.ratio_mean,
-            approx_kl=out.approx_kl,
-        )
+        stats = dict(out.metrics)
+        stats.update(policy_loss=out.loss.detach(), value_loss=v_loss.detach(), entropy=entropy.detach())
         return loss, stats
 
     def max_stats(self) -> tuple[str, ...]:

@@ -1,10 +1,12 @@
-"""The LLM objective: GRPO, PPO or decoupled PPO on token sequences, optional KL to the
-initial weights.
+"""The LLM objective: GRPO, PPO, decoupled PPO or a user's loss on token sequences, optional
+KL to the initial weights.
 
 Advantages are group-normalised rewards (GRPO) computed on the rank, which holds whole
 groups. The proximal log-probs of decoupled PPO are the learner's own log-probs before the
 batch's first update (`recompute_proximal`), else the behaviour log-probs. The reference
-policy of the KL penalty is the run's initial model, kept frozen on every rank.
+policy of the KL penalty is the run's initial model, kept frozen on every rank. The loss is
+called through the table of learner/losses/registry.py with the inputs of
+learner/losses/base.py, whichever loss `learner.loss.type` names.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ from pathlib import Path
 
 import torch
 
-from sluice.config.learner import LossConfig
+from sluice.config.loss import LLMObjectiveConfig, LossConfig, needs_proximal
 from sluice.learner.balance import balance
 from sluice.learner.batch import TokenBatch, collate, token_logprobs
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
-from sluice.learner.losses.decoupled import decoupled_ppo_loss
-from sluice.learner.losses.grpo import group_advantages, group_indices, grpo_loss
+from sluice.learner.losses.base import TokenLossInputs
+from sluice.learner.losses.grpo import group_advantages, group_indices
 from sluice.learner.losses.kl import kl_penalty
-from sluice.learner.losses.ppo import clipped_surrogate
+from sluice.learner.losses.registry import token_loss
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.modeling.sampling import SamplingTransform
 from sluice.trajectory import Trajectory
@@ -33,7 +35,7 @@ from sluice.trajectory import Trajectory
 class TokenPiece:
     batch: TokenBatch
     advantages: torch.Tensor  # [B]
-    proximal: torch.Tensor | None  # [B, L-1] log pi_prox(target), decoupled PPO only
+    proximal: torch.Tensor | None  # [B, L-1] log pi_prox(target), when the loss asks for it
     reference: torch.Tensor | None  # [B, L-1] log pi_ref(target), KL penalty only
     empty: bool = False  # a dummy row standing in for no data (zero weight)
 
@@ -50,14 +52,18 @@ class TokenObjective(Objective[TokenPiece]):
         device: torch.device,
         reference_dir: Path | None = None,
         dtype: str = "float32",
+        *,
+        llm: LLMObjectiveConfig,
     ) -> None:
         self.cfg = loss
+        self.llm = llm
+        self.loss_fn, self.loss_params = token_loss(loss)
         self.pad_id = pad_id
         self.bos_id = bos_id
         self.sampling = sampling
         self.device = device
         self.reference = None
-        if loss.kl_coef > 0:
+        if llm.kl_coef > 0:
             from sluice.modeling import load_policy
 
             assert reference_dir is not None
@@ -90,11 +96,11 @@ class TokenObjective(Objective[TokenPiece]):
         if empty:
             batch.completion_mask = torch.zeros_like(batch.completion_mask)
         adv = group_advantages(
-            batch.rewards.cpu(), group_indices(batch.group_ids), self.cfg.adv_eps, self.cfg.normalize_std
+            batch.rewards.cpu(), group_indices(batch.group_ids), self.llm.adv_eps, self.llm.normalize_std
         ).to(self.device)
         proximal = reference = None
         with torch.no_grad():
-            if self.cfg.type == "decoupled_ppo" and self.cfg.recompute_proximal:
+            if needs_proximal(self.cfg):
                 proximal = token_logprobs(module, batch, self.sampling)
             if self.reference is not None:
                 reference = token_logprobs(self.reference, batch, self.sampling)
@@ -149,60 +155,19 @@ class TokenObjective(Objective[TokenPiece]):
     # -- loss ----------------------------------------------------------------------------------
 
     def loss(self, module, piece: TokenPiece, denom: Denominator) -> tuple[torch.Tensor, Stats]:
-        c, b = self.cfg, piece.batch
+        llm, b = self.llm, piece.batch
         logp = token_logprobs(module, b, self.sampling)
         mask = b.completion_mask
-        stats: Stats = {}
-        if c.type == "grpo":
-            out = grpo_loss(
-                logp, b.behaviour_logprobs, piece.advantages, mask, c.is_cap, c.aggregation, denom
-            )
-            loss = out.loss
-            stats.update(
-                is_weight_mean=out.is_weight_mean,
-                is_truncated_frac=out.is_truncated_frac,
-                log_ratio_abs_mean=out.log_ratio_abs_mean,
-            )
-        elif c.type == "ppo":
-            out = clipped_surrogate(
-                logp,
-                b.behaviour_logprobs,
-                piece.advantages,
-                mask,
-                c.clip_low,
-                c.clip_high,
-                c.aggregation,
-                denom,
-            )
-            loss = out.loss
-            stats.update(clip_frac=out.clip_frac, ratio_mean=out.ratio_mean, approx_kl=out.approx_kl)
-        else:
-            proximal = piece.proximal if piece.proximal is not None else b.behaviour_logprobs
-            out = decoupled_ppo_loss(
-                logp,
-                proximal,
-                b.behaviour_logprobs,
-                piece.advantages,
-                mask,
-                c.clip_low,
-                c.clip_high,
-                c.is_cap,
-                c.aggregation,
-                denom,
-            )
-            loss = out.loss
-            stats.update(
-                clip_frac=out.clip_frac,
-                ratio_mean=out.ratio_mean,
-                approx_kl=out.approx_kl,
-                is_weight_mean=out.is_weight_mean,
-                is_weight_max=out.is_weight_max,
-                is_truncated_frac=out.is_truncated_frac,
-            )
+        x = TokenLossInputs(
+            logp, b.behaviour_logprobs, piece.proximal, piece.advantages, mask, llm.aggregation, denom
+        )
+        out = self.loss_fn(x, self.loss_params)
+        loss = out.loss
+        stats: Stats = dict(out.metrics)
         stats["policy_loss"] = loss.detach()
-        if piece.reference is not None and c.kl_coef > 0:
-            kl = kl_penalty(logp, piece.reference, mask, c.kl_estimator, c.aggregation, denom)
-            loss = loss + c.kl_coef * kl
+        if piece.reference is not None and llm.kl_coef > 0:
+            kl = kl_penalty(logp, piece.reference, mask, llm.kl_estimator, llm.aggregation, denom)
+            loss = loss + llm.kl_coef * kl
             stats["kl_ref"] = kl.detach()
         if piece.empty:
             loss = loss * 0.0

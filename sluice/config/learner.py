@@ -7,52 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from sluice.config.base import Section
-
-
-class LossConfig(Section):
-    type: Literal["grpo", "ppo", "decoupled_ppo", "vtrace"] = "grpo"
-    """grpo: group-normalised advantages, token-level policy gradient, truncated IS.
-    ppo: clipped surrogate against the behaviour policy. decoupled_ppo: clipped surrogate
-    against the proximal policy, behaviour correction by truncated IS weights (AReaL).
-    vtrace: IMPALA actor-critic (classic RL only)."""
-    is_cap: float = Field(default=2.0, gt=0)
-    """Truncated importance sampling: behaviour weights pi / mu are capped at this value."""
-    adv_eps: float = Field(default=1e-4, gt=0)
-    """Added to the group reward std before dividing (group advantages)."""
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style advantages."""
-    clip_low: float = Field(default=0.2, ge=0, lt=1)
-    """PPO ratio clip below: 1 - clip_low."""
-    clip_high: float = Field(default=0.2, ge=0)
-    """PPO ratio clip above: 1 + clip_high. DAPO's clip-higher sets it above clip_low (0.28)."""
-    aggregation: Literal["token", "sequence"] = "token"
-    """token: mean over all tokens/steps of the batch (DAPO's token-level loss); sequence:
-    mean over sequences of each sequence's token mean (the original GRPO)."""
-    recompute_proximal: bool = True
-    """decoupled_ppo: compute the proximal policy's log-probs with the learner's weights before
-    the batch's updates. False: the proximal policy is the behaviour policy (weights are 1)."""
-    gamma: float = Field(default=1.0, ge=0, le=1)
-    """Discount (GAE and V-trace)."""
-    gae_lambda: float = Field(default=0.95, ge=0, le=1)
-    """GAE lambda (ppo / decoupled_ppo with value-based advantages)."""
-    value_coef: float = Field(default=0.5, ge=0)
-    """Weight of the value loss (classic RL: ppo, decoupled_ppo, vtrace)."""
-    value_clip: float | None = Field(default=None, gt=0)
-    """PPO value clipping around the proximal values; None: no clipping."""
-    entropy_coef: float = Field(default=0.0, ge=0)
-    """Weight of the entropy bonus."""
-    normalize_advantages: bool = False
-    """Whiten advantages over the whole learner batch (all ranks) before the updates."""
-    vtrace_rho_bar: float = Field(default=1.0, gt=0)
-    """V-trace: cap of the importance weights in the value targets and the policy gradient."""
-    vtrace_c_bar: float = Field(default=1.0, gt=0)
-    """V-trace: cap of the trace-cutting coefficients c."""
-    vtrace_lambda: float = Field(default=1.0, ge=0, le=1)
-    """V-trace: lambda multiplying the trace coefficients."""
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of the KL penalty to the reference model (the initial weights); 0: off (LLM only)."""
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    """KL estimator per token: k1 = log pi - log ref; k3 = ref/pi - log(ref/pi) - 1 (>= 0)."""
+from sluice.config.loss import ClassicObjectiveConfig, GrpoLoss, LLMObjectiveConfig, LossConfig
 
 
 class GroupPorts(Section):
@@ -90,8 +45,14 @@ class LearnerConfig(Section):
     """The staleness bound: at learner version v no sample older than v - max_staleness is
     consumed. 0 is synchronous on-policy training; larger values let generation and training
     overlap more at the price of more off-policy correction."""
-    loss: LossConfig = LossConfig()
-    """The loss."""
+    loss: LossConfig = GrpoLoss()
+    """The loss, by `type`: grpo, ppo, decoupled_ppo (LLM and classic RL but grpo), vtrace
+    (classic RL), or a user's token loss by reference (sluice/config/loss.py); each type takes
+    only its own knobs."""
+    llm: LLMObjectiveConfig = LLMObjectiveConfig()
+    """The LLM objective around the loss (rollout.kind llm): aggregation, group advantages, KL."""
+    classic: ClassicObjectiveConfig = ClassicObjectiveConfig()
+    """The classic-RL objective around the loss (rollout.kind env): discount, value, entropy, GAE."""
     epochs: int = Field(default=1, ge=1)
     """Passes over each batch (PPO epochs)."""
     minibatches: int = Field(default=1, ge=1)

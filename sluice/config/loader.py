@@ -74,20 +74,37 @@ def apply_override(tree: dict[str, Any], path: Sequence[str], value: Any, label:
     node[path[-1]] = value
 
 
-def format_validation_error(err: ValidationError, sources: Mapping[str, str] | None = None) -> str:
-    """One line per problem: `learner.loss.type: Input should be 'grpo' (got 'foo')`.
-    `sources` maps a dotted key to where its value came from (an environment variable)."""
+def format_validation_error(
+    err: ValidationError, sources: Mapping[str, str] | None = None, prefix: Sequence[str] = ()
+) -> str:
+    """One line per problem: `learner.loss.clip_high: unknown key for learner.loss.type=grpo`.
+    `sources` maps a dotted key to where its value came from (an environment variable);
+    `prefix` is the key of the section `err` is about (a plugin's own params)."""
     lines = []
     for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "<root>"
+        where, tag = _key([*prefix, *e["loc"]])
         source = _source_of(where, sources or {})
         if e["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key{source}")
+            lines.append(f"{where}: unknown key{f' for {tag}' if tag else ''}{source}")
             continue
         got = e.get("input")
         got_text = "" if isinstance(got, dict) else f" (got {got!r})"
-        lines.append(f"{where}: {e['msg']}{got_text}{source}")
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{where + ': ' if where else ''}{msg}{got_text}{source}")
     return "; ".join(lines)
+
+
+def _key(loc: Sequence[str | int]) -> tuple[str, str | None]:
+    """(dotted key, tag) of an error location. A part such as `type=grpo` is the tag of a
+    tagged union (sluice/config/loss.py), not a key: it says which member the key is in, and
+    is given with the key above it (`learner.loss.type=grpo`)."""
+    parts = [str(p) for p in loc]
+    keys = [p for p in parts if "=" not in p]
+    tags = [i for i, p in enumerate(parts) if "=" in p]
+    if not tags:
+        return ".".join(keys), None
+    above = [p for p in parts[: tags[-1]] if "=" not in p]
+    return ".".join(keys), ".".join([*above, parts[tags[-1]]])
 
 
 def _source_of(where: str, sources: Mapping[str, str]) -> str:

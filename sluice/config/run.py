@@ -11,6 +11,7 @@ from sluice.config.buffer import BufferConfig
 from sluice.config.control import ControlConfig
 from sluice.config.env import EnvConfig
 from sluice.config.learner import LearnerConfig
+from sluice.config.loss import check_objective
 from sluice.config.model import ModelConfig
 from sluice.config.ray import RayConfig
 from sluice.config.rollout import RolloutConfig
@@ -64,9 +65,8 @@ class RunConfig(Section):
             raise ValueError(
                 f"rollout.kind={self.rollout.kind} needs model.kind={want} (got {self.model.kind})"
             )
-        classic = self.learner.loss.type == "vtrace"
-        if classic and self.rollout.kind != "env":
-            raise ValueError("learner.loss.type=vtrace is for classic RL: it needs rollout.kind=env")
+        lc = self.learner
+        check_objective(self.rollout.kind, lc.loss, lc.llm, lc.classic)
         held = (self.learner.checkpoint_every + 1) * self.learner.batch_size * len(self.learner.policies)
         if self.learner.checkpoint_every and held > self.buffer.capacity * self.buffer.shards:
             raise ValueError(
