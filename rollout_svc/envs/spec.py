@@ -6,7 +6,7 @@ seeding and autoreset work the same as for a registered id."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from sluice.plugins import PluginError, is_file_reference, resolve
 
@@ -14,6 +14,7 @@ from sluice.plugins import PluginError, is_file_reference, resolve
 def env_spec(env_id: str) -> Any:
     """What gymnasium.make / make_vec take for `env_id`: the id itself or an EnvSpec."""
     import gymnasium as gym
+    from gymnasium.envs.registration import EnvSpec
 
     if env_id in gym.registry:
         return env_id
@@ -26,7 +27,7 @@ def env_spec(env_id: str) -> Any:
             return env_id  # gymnasium's own error names the id
         if not callable(creator):
             raise PluginError(f"config error: env.id: {env_id!r} is a {type(creator).__name__}, not callable")
-        return gym.envs.registration.EnvSpec(id=f"sluice-{_short(env_id)}", entry_point=creator)
+        return EnvSpec(id=f"sluice-{_short(env_id)}", entry_point=cast(Any, creator))
     return env_id
 
 

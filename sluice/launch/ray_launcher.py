@@ -300,7 +300,11 @@ class RayLauncher:
             return EXIT_FAILED
         if p.role == "rollout" and rc == EXIT_OK:
             return None  # a rollout ends itself when the learner announces shutdown
-        if p.role == "rollout" and p.restarts < self.cfg.rollout.max_restarts and restartable(rc):
+        if (
+            p.role == "rollout"
+            and p.restarts < self.cfg.rollout.max_restarts
+            and restartable(rc if isinstance(rc, int) else None)
+        ):
             p.restarts += 1
             self.console.print(
                 f"[yellow]{p.name} {error or f'exited {rc}'}; restarting it "
