@@ -289,7 +289,8 @@ def test_a_chat_dataset_round_trips_through_the_chat_template(tmp_path):
         {"role": "system", "content": "sum"},
         {"role": "user", "content": "5"},
     ]
-    with pytest.raises(ConfigError, match="^config error: task.params.chat=off: row 0's 'messages' is a chat$"):
+    off = r"^config error: task.params.chat=off: row 0's 'messages' is a chat$"
+    with pytest.raises(ConfigError, match=off):
         build_task(TaskConfig(name="dataset", params={**params, "chat": "off"}), 0)
 
 
