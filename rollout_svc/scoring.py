@@ -55,7 +55,7 @@ class RewardFn:
             extra = {k: v for k, v in extra.items() if k in self.accepts}
         prompt = item.prompt.messages if item.prompt.messages is not None else item.prompt.text
         given = {"prompt": prompt, "completion": item.completion, "reference": item.prompt.reference}
-        return Call(self.fn, {**extra, **given})
+        return Call(self.fn, {**extra, **given}, inline=self.fn in BUILTIN_REWARDS.values())
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,8 @@ class TaskScore:
     weight: float = 1.0
 
     def call(self, item: ToScore) -> Call:
-        return Call(self.task.score, {}, (item.prompt, item.completion, item.finished))
+        builtin = type(self.task).__module__.startswith("sluice.rollout_svc.tasks.")
+        return Call(self.task.score, {}, (item.prompt, item.completion, item.finished), inline=builtin)
 
 
 def build_rewards(cfg: TaskConfig, task: Task) -> list[RewardFn]:
