@@ -70,8 +70,8 @@ def test_an_installed_plugin_package_is_found_by_entry_points_and_trains(tmp_pat
         [
             sys.executable, "-m", "sluice.cli", "run", str(ROOT / "configs" / "quickstart.yaml"),
             f"run.dir={run_dir}", "rollout.engine=hf", "--no-progress",
-            "task.name=first_digit", REWARDS_BY_NAME, "learner.loss={type: reinforce, params: {scale: 1.0}}", "learner.total_steps=100", "task.eval.every=25",
-            "task.eval.prompts=16",
+            "task.name=first_digit", REWARDS_BY_NAME, "learner.loss={type: reinforce, params: {scale: 1.0}}",
+            "learner.total_steps=100", "task.eval.every=25", "task.eval.prompts=16",
         ],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
     )  # fmt: skip
@@ -130,3 +130,26 @@ def test_a_reward_that_raises_fails_the_run_with_its_traceback_and_no_restart(tm
     assert "Traceback" in logs and "LookupError: no checker for" in logs and "on_error=fail" in logs
     events = [e["event"] for e in read_jsonl(run_dir / "metrics" / "launcher.jsonl")]
     assert "restarted" not in events  # a restart would fail the same way
+
+
+def test_with_skip_group_a_raising_reward_costs_its_groups_and_the_run_goes_on(tmp_path):
+    flaky = tmp_path / "flaky_reward.py"
+    flaky.write_text(
+        "def flaky(prompt, completion, reference):\n"
+        "    if reference[0] == '7':  # a checker that cannot handle one prompt in ten\n"
+        "        raise RuntimeError('checker crashed')\n"
+        "    return float(completion.split() == reference)\n"
+    )
+    run_dir = tmp_path / "run"
+    proc = sluice_run(
+        run_dir,
+        f"task.rewards=[{{fn: '{flaky}:flaky'}}]",
+        "task.scoring.on_error=skip_group",
+        "learner.total_steps=30",
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 30
+    records = [r for i in (0, 1) for r in read_jsonl(run_dir / "metrics" / f"rollout-{i}.jsonl")]
+    skipped = sum(r["skipped_groups"] for r in records)
+    assert skipped > 0 and sum(r["reward_errors"] for r in records) >= skipped
+    assert "checker crashed" in (run_dir / "logs" / "rollout-0.log").read_text()
