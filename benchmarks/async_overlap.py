@@ -53,6 +53,7 @@ from rich.table import Table
 from sluice.config.loader import dump_config, load_config
 from sluice.config.run import RunConfig
 from sluice.launch.local import LocalLauncher
+from sluice.launch.plan import plan_roles
 from sluice.launch.role import quiet_libraries
 from sluice.metrics import read_jsonl
 from sluice.testing.drain import Drain
@@ -150,10 +151,9 @@ class GenerationOnly(LocalLauncher):
         self.drain = Drain(self.cfg)  # binds the control plane the services ADMIT at
         if not self.sim:
             self._publish_initial_weights()
-        for k in range(self.cfg.buffer.shards):
-            self._spawn(f"buffer-{k}", ["buffer", "--shard", str(k)], config_path, False)
-        for i in range(self.cfg.rollout.services):
-            self._spawn(f"rollout-{i}", ["rollout", "--index", str(i)], config_path, True)
+        for spec in plan_roles(self.cfg):
+            if spec.kind != "learner":  # the drain here stands in for it
+                self._spawn(spec, config_path)
 
     def _publish_initial_weights(self) -> None:
         import torch

@@ -28,6 +28,7 @@ import typer
 
 from sluice.config.loader import ConfigError, load_config
 from sluice.config.run import RunConfig
+from sluice.launch.plan import RoleKind
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, resolve_index, run_role
 from sluice.learner.losses.plugin import check_loss
 
@@ -123,14 +124,21 @@ IndexOpt = Annotated[
 ]
 
 
+def _run_planned(cfg: RunConfig, kind: RoleKind, index: int, policy: str | None = None) -> typer.Exit:
+    """Run the role of the plan (sluice/launch/plan.py) this command stands for."""
+    from sluice.launch.plan import find_spec, run_role_spec
+
+    try:
+        spec = find_spec(cfg, kind, index, policy)
+    except ValueError as e:
+        return _fail(f"config error: {e}")
+    return typer.Exit(run_role(spec.name, lambda stop: run_role_spec(cfg, spec, stop)))
+
+
 @app.command()
 def buffer(config: ConfigArg, overrides: OverridesArg = None, shard: IndexOpt = None) -> None:
     """Serve one buffer shard."""
-    cfg = _load(config, overrides)
-    k = _index(shard)
-    from sluice.buffer.service import run_buffer
-
-    raise typer.Exit(run_role(f"buffer-{k}", lambda stop: run_buffer(cfg, k, stop)))
+    raise _run_planned(_load(config, overrides), "buffer", _index(shard))
 
 
 @app.command()
@@ -138,13 +146,7 @@ def rollout(config: ConfigArg, overrides: OverridesArg = None, index: IndexOpt =
     """Run one rollout service (`rollout.kind` llm: LLM generation; env: gymnasium envs)."""
     cfg = _load(config, overrides)
     _validate_plugins(cfg)
-    i = _index(index)
-    if cfg.rollout.kind == "env":
-        from sluice.rollout_svc.env_service import run_env_rollout as run_rollout
-    else:
-        from sluice.rollout_svc.service import run_rollout
-
-    raise typer.Exit(run_role(f"rollout-{i}", lambda stop: run_rollout(cfg, i, stop)))
+    raise _run_planned(cfg, "rollout", _index(index))
 
 
 @app.command()
@@ -157,21 +159,10 @@ def learner(
 ) -> None:
     """Run one rank of a learner group (RANK/WORLD_SIZE/MASTER_* from the environment, as
     torchrun sets them; unset: a group of one)."""
-    import os
-
-    from sluice.config.policy import learner_role, policy_index
-
     cfg = _load(config, overrides)
-    policy_id = policy or cfg.learner.policies[0]
-    try:
-        policy_index(cfg, policy_id)
-    except ValueError as e:
-        typer.echo(f"config error: --policy: {e}", err=True)
-        raise typer.Exit(EXIT_CONFIG) from None
-    from sluice.learner.loop import run_learner
-
-    role = learner_role(cfg, policy_id, int(os.environ.get("RANK", "0")))
-    raise typer.Exit(run_role(role, lambda stop: run_learner(cfg, stop, policy_id)))
+    if policy is not None and policy not in cfg.learner.policies:
+        raise _fail(f"config error: --policy: {policy!r} is not in learner.policies={cfg.learner.policies}")
+    raise _run_planned(cfg, "learner", int(os.environ.get("RANK", "0")), policy)
 
 
 @app.command()

@@ -133,3 +133,85 @@ def test_killed_rollout_is_restarted_and_training_continues(tmp_path, process_re
     # the replacement generated with current weights after it joined
     fresh = [r for r in read_jsonl(run_dir / "metrics" / "rollout-0.jsonl") if r["time"] > restarted["time"]]
     assert fresh and max(r["version"] for r in fresh) > 5
+
+
+def ray_run(
+    run_dir: Path, config: Path, *overrides: str, timeout: float = 500
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sluice.cli",
+            "ray",
+            str(config),
+            f"run.dir={run_dir}",
+            *overrides,
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
+
+
+CARTPOLE = ROOT / "configs" / "cartpole.yaml"
+
+
+@pytest.mark.parametrize(
+    "config, overrides, learners",
+    [
+        (CARTPOLE, ["learner.target_return=null", "learner.total_steps=20"], {"learner": 20}),
+        (CARTPOLE, ["learner.target_return=null", "learner.total_steps=10", "learner.policies=[a, b]"],
+         {"learner": 10, "learner-b": 10}),
+        (QUICKSTART, [HF_ENGINE, "learner.ranks=2", "learner.total_steps=6"], {"learner": 6}),
+    ],
+    ids=["cartpole", "two-policies", "learner-group-of-2"],
+)  # fmt: skip
+def test_configs_beyond_the_quickstart_run_under_ray_as_planned(tmp_path, config, overrides, learners):
+    """Env rollouts, several policies, a learner group of K ranks: the same role plan as
+    `sluice run` (sluice/launch/plan.py), each role its own Ray actor."""
+    from sluice.config import load_config
+    from sluice.launch.plan import plan_roles
+
+    run_dir = tmp_path / "run"
+    proc = ray_run(run_dir, config, *overrides)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for name, steps in learners.items():
+        assert len(read_jsonl(run_dir / "metrics" / f"{name}.jsonl")) == steps
+    planned = [s.name for s in plan_roles(load_config(config, overrides))]
+    assert sorted(e["role"] for e in events(run_dir, "placed")) == sorted(planned)
+    assert {e["role"] for e in events(run_dir, "exit") if e["rc"] == 0} >= set(learners)
+
+
+def test_a_cluster_too_small_for_the_plan_is_refused_in_seconds(tmp_path):
+    started = time.monotonic()
+    proc = ray_run(tmp_path / "run", QUICKSTART, HF_ENGINE, "ray.local_num_cpus=1", timeout=120)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    said = " ".join(proc.stderr.split())  # the console wraps long lines
+    assert "CPU: 4 needed, 1 in the cluster" in said and "ray.buffer/learner/rollout.num_cpus" in said
+    assert time.monotonic() - started < 60
+
+
+def test_roles_spread_over_the_nodes_of_a_multi_node_cluster(tmp_path):
+    """Two Ray nodes on this machine (ray.cluster_utils.Cluster: separate raylets, separate
+    resources); ray.strategy=SPREAD places the roles on both and the run trains."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        run_dir = tmp_path / "run"
+        proc = ray_run(
+            run_dir, QUICKSTART, HF_ENGINE, f"ray.address={cluster.address}", "ray.strategy=SPREAD",
+            "learner.total_steps=8",
+        )  # fmt: skip
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    finally:
+        cluster.shutdown()
+    placed = {e["role"]: e["node_id"] for e in events(run_dir, "placed")}
+    assert len(set(placed.values())) == 2, placed  # both nodes hold roles
+    assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 8

@@ -19,6 +19,10 @@ class GroupPorts(Section):
     """Weight-sync TCPStore port of this policy's rank 0."""
     dist: int = Field(default=0, ge=0, le=65535)
     """torch.distributed rendezvous port of this policy's learner group."""
+    host: str | None = None
+    """Host of this policy's rank 0 (control server, weight-sync store, rendezvous). None: the
+    first policy's (control.host, weight_sync.master_addr, learner.master_addr). The Ray
+    launcher sets it: each group's rank 0 may sit on another node."""
 
 
 class LearnerConfig(Section):

@@ -46,6 +46,10 @@ def policy_view(cfg: RunConfig, policy_id: str) -> RunConfig:
     view.control.port = ports.control
     view.weight_sync.master_port = ports.weight_sync
     view.learner.master_port = ports.dist
+    if view.control.bind is not None:  # the same interface, this group's port
+        view.control.bind = f"{view.control.bind.rsplit(':', 1)[0]}:{ports.control}"
+    if ports.host is not None:
+        view.control.host = view.weight_sync.master_addr = view.learner.master_addr = ports.host
     return view
 
 

@@ -29,8 +29,8 @@ from rich.console import Console
 
 from sluice.config.learner import GroupPorts
 from sluice.config.loader import ENV_PREFIX, dump_config
-from sluice.config.policy import learner_role
 from sluice.config.run import RunConfig
+from sluice.launch.plan import RoleSpec, plan_roles
 from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
 from sluice.launch.threads import available_cores, plan_threads
@@ -44,14 +44,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Child:
-    name: str
+    spec: RoleSpec  # what it runs (sluice/launch/plan.py)
     proc: subprocess.Popen
     log_path: Path
-    exits_with_run: bool  # True: exits 0 on its own when the learner is done (rollouts)
-    is_learner: bool = False  # a rank of a learner group: the run ends when all of them exit
-    args: list[str] = field(default_factory=list)  # the role's CLI arguments (to restart it)
-    env: dict[str, str] = field(default_factory=dict)  # the role's own environment variables
     restarts: int = 0  # times this role was started again after dying
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def is_learner(self) -> bool:
+        """A rank of a learner group: the run ends when all of them exit."""
+        return self.spec.kind == "learner"
 
 
 @dataclass
@@ -139,59 +144,30 @@ class LocalLauncher:
         dump_config(self.cfg, config_path)
         return config_path
 
-    def _spawn(
-        self,
-        name: str,
-        args: list[str],
-        config_path: Path,
-        exits_with_run: bool,
-        extra_env: dict[str, str] | None = None,
-    ) -> Child:
-        log_path = self.run_dir / "logs" / f"{name}.log"
+    def _spawn(self, spec: RoleSpec, config_path: Path) -> Child:
+        log_path = self.run_dir / "logs" / f"{spec.name}.log"
         # SLUICE__* overrides are already in the resolved config; applied again they could
         # undo what the launcher resolved (e.g. a port of 0).
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
-        env.update(SLUICE_DIE_WITH_PARENT="1", PYTHONUNBUFFERED="1", **(extra_env or {}))
+        env.update(SLUICE_DIE_WITH_PARENT="1", PYTHONUNBUFFERED="1", **spec.env)
         env.setdefault("OMP_NUM_THREADS", "1")
         with log_path.open("ab") as log_fh:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "sluice.cli", *args, str(config_path)],
+                [sys.executable, "-m", "sluice.cli", *spec.args, str(config_path)],
                 stdout=log_fh,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,
             )
-        child = Child(name, proc, log_path, exits_with_run, args[0] == "learner", args, extra_env or {})
+        child = Child(spec, proc, log_path)
         self.children.append(child)
         return child
 
     def start(self) -> None:
         config_path = self.prepare()
-        for k in range(self.cfg.buffer.shards):
-            self._spawn(f"buffer-{k}", ["buffer", "--shard", str(k)], config_path, False)
-        for policy in self.cfg.learner.policies:
-            self._spawn_learner_group(policy, config_path)
-        for i in range(self.cfg.rollout.services):
-            self._spawn(f"rollout-{i}", ["rollout", "--index", str(i)], config_path, True)
-
-    def _spawn_learner_group(self, policy: str, config_path: Path) -> None:
-        """K ranks with torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*)."""
-        lc = self.cfg.learner
-        port = lc.master_port if policy == lc.policies[0] else lc.group_ports[policy].dist
-        for rank in range(lc.ranks):
-            env = {}
-            if lc.ranks > 1:
-                env = {
-                    "RANK": str(rank),
-                    "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(lc.ranks),
-                    "LOCAL_WORLD_SIZE": str(lc.ranks),
-                    "MASTER_ADDR": lc.master_addr,
-                    "MASTER_PORT": str(port),
-                }
-            name = learner_role(self.cfg, policy, rank)
-            self._spawn(name, ["learner", "--policy", policy], config_path, True, env)
+        for spec in plan_roles(self.cfg):
+            self._spawn(spec, config_path)
 
     # -- supervision ---------------------------------------------------------------------------
 
@@ -226,7 +202,7 @@ class LocalLauncher:
                     code = EXIT_OK
                     break
                 dead = [c for c in self.children if c.proc.poll() is not None and not c.is_learner]
-                unexpected = [c for c in dead if not (c.exits_with_run and c.proc.returncode == 0)]
+                unexpected = [c for c in dead if not (c.spec.exits_with_run and c.proc.returncode == 0)]
                 unexpected = [c for c in unexpected if not self._restart(c, run_log)]
                 if unexpected:
                     for c in unexpected:
@@ -245,13 +221,11 @@ class LocalLauncher:
         restartable role, or it used up `rollout.max_restarts`."""
         limit = self.cfg.rollout.max_restarts
         rc = child.proc.returncode
-        if not child.name.startswith("rollout") or child.restarts >= limit or not restartable(rc):
+        if not child.spec.restartable or child.restarts >= limit or not restartable(rc):
             return False
         _signal_group(child.proc, signal.SIGKILL)  # whatever it started (engine processes)
         self.children.remove(child)
-        new = self._spawn(
-            child.name, child.args, self.run_dir / "config.yaml", child.exits_with_run, child.env
-        )
+        new = self._spawn(child.spec, self.run_dir / "config.yaml")
         new.restarts = child.restarts + 1
         self.console.print(
             f"[yellow]{child.name} exited with code {rc}; restarting it ({new.restarts}/{limit})"
@@ -278,11 +252,7 @@ class LocalLauncher:
     def shutdown(self, grace_s: float = 15.0) -> None:
         """Rollouts first (they read weights from the learner), then the learner, then shards.
         SIGTERM, wait up to `grace_s`, then SIGKILL the process group."""
-        order = (
-            [c for c in self.children if c.name.startswith("rollout")]
-            + [c for c in self.children if c.is_learner]
-            + [c for c in self.children if c.name.startswith("buffer")]
-        )
+        order = [c for kind in ("rollout", "learner", "buffer") for c in self.children if c.spec.kind == kind]
         for c in order:
             if c.proc.poll() is None:
                 _signal_group(c.proc, signal.SIGTERM)

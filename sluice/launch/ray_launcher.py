@@ -9,6 +9,7 @@ the roles down in order. docs/architecture.md ("Ray launcher") gives the rules a
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -19,16 +20,19 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from sluice.config.learner import GroupPorts
 from sluice.config.loader import config_from_dict, dump_config
 from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
 from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
+from sluice.launch.plan import RoleSpec, find_spec, plan_roles, run_role_spec
 from sluice.launch.progress import training_progress
-from sluice.launch.role import EXIT_FAILED, EXIT_OK, quiet_libraries, restartable
+from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USER_CODE, quiet_libraries, restartable
 from sluice.metrics import JsonlLog
-from sluice.modeling import materialize_model_dir
+from sluice.modeling.policy import materialize_policy_dir
 from sluice.net import free_ports
 from sluice.plots import write_run_plots
+from sluice.plugins import UserCodeError
 
 ROLE_ENV = {
     "PYTHONUNBUFFERED": "1",
@@ -41,9 +45,9 @@ class RoleActor:
     """One role process on a Ray worker. Methods run in a small thread pool
     (max_concurrency=2), so `halt` reaches a role while `run` is busy."""
 
-    def __init__(self, role: str, index: int, run_dir: str) -> None:
-        self.role, self.index = role, index
-        self.name = "learner" if role == "learner" else f"{role}-{index}"
+    def __init__(self, spec: RoleSpec, run_dir: str) -> None:
+        self.spec = spec
+        self.name = spec.name
         self.stop = threading.Event()
         quiet_libraries()
         fmt = logging.Formatter(f"%(asctime)s {self.name} %(levelname)s %(name)s: %(message)s")
@@ -63,27 +67,29 @@ class RoleActor:
     def node(self) -> dict[str, Any]:
         import ray
 
-        return {"ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "host": os.uname().nodename}
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "host": os.uname().nodename,
+        }
 
     def reserve_ports(self, n: int) -> list[int]:
         return free_ports(n)
 
     def run(self, config: dict[str, Any]) -> int:
-        """The role's main function; a failure is logged here (role log) and re-raised to the
-        driver."""
+        """The role's main function, as the per-role command runs it (the plan's spec, from
+        the resolved config: a learner rank's rendezvous address is known only now). A failure
+        is logged here (role log) and re-raised to the driver; a user's code failing returns
+        EXIT_USER_CODE, as `run_role` does."""
         cfg = config_from_dict(config)
+        spec = find_spec(cfg, self.spec.kind, self.spec.index, self.spec.policy or None)
+        os.environ.update(spec.env)
         try:
-            if self.role == "buffer":
-                from sluice.buffer.service import run_buffer
-
-                return run_buffer(cfg, self.index, self.stop)
-            if self.role == "learner":
-                from sluice.learner.loop import run_learner
-
-                return run_learner(cfg, self.stop)
-            from sluice.rollout_svc.service import run_rollout
-
-            return run_rollout(cfg, self.index, self.stop)
+            return run_role_spec(cfg, spec, self.stop)
+        except UserCodeError:
+            logging.getLogger(self.name).exception("%s failed in user code (not restarted)", self.name)
+            return EXIT_USER_CODE
         except Exception:
             logging.getLogger(self.name).exception("%s failed", self.name)
             raise
@@ -96,23 +102,40 @@ class RoleActor:
 class Placed:
     """A role process the driver supervises."""
 
-    role: str  # buffer | learner | rollout
-    index: int
+    spec: RoleSpec
     bundle: int  # placement-group bundle it lives in (a restart reuses it)
     actor: Any = None
     ref: Any = None  # ObjectRef of its `run` call; None when not running
     restarts: int = 0
     node: dict | None = None
+    exit_code: int | None = None  # what its `run` returned, once it has
 
     @property
     def name(self) -> str:
-        return "learner" if self.role == "learner" else f"{self.role}-{self.index}"
+        return self.spec.name
+
+    @property
+    def role(self) -> str:
+        return self.spec.kind
 
     def node_ip(self) -> str:
         """The IP of the node its actor runs on (reported once the actor started)."""
         if self.node is None:
             raise RuntimeError(f"{self.name}: its actor has not reported its node")
         return self.node["ip"]
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot hold the run's roles (found before waiting for a placement)."""
+
+
+def plan_resources(specs: list[RoleSpec]) -> dict[str, float]:
+    """What every role process of the plan reserves, summed by resource."""
+    total: dict[str, float] = {}
+    for spec in specs:
+        for key, value in _bundle(spec.resources).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 def _bundle(res: RoleResources) -> dict[str, float]:
@@ -137,15 +160,43 @@ class RayLauncher:
     # -- cluster and placement -----------------------------------------------------------------
 
     def connect(self) -> None:
+        """Join the cluster, or start a local instance sized for the plan; either way fail in
+        seconds, naming the keys to change, when the roles' resources cannot all be granted
+        (instead of waiting ray.ready_timeout_s for a placement that never comes)."""
         import ray
 
         rc = self.cfg.ray
+        specs = plan_roles(self.cfg)
+        need = plan_resources(specs)
         env = {**ROLE_ENV, **rc.env}
         kwargs: dict[str, Any] = {"namespace": rc.namespace, "runtime_env": {"env_vars": env}}
         if rc.address is None:
-            kwargs |= {"num_cpus": rc.local_num_cpus, "include_dashboard": False}
+            kwargs |= {"num_cpus": self._local_cpus(need["CPU"]), "include_dashboard": False}
         ray.init(address=rc.address, log_to_driver=True, **kwargs)
         self.actor_class = ray.remote(RoleActor)
+        have = ray.cluster_resources()
+        short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) + 1e-9 < v}
+        if short:
+            ray.shutdown()
+            wants = ", ".join(f"{k}: {v:g} needed, {h:g} in the cluster" for k, (v, h) in short.items())
+            raise PlacementError(
+                f"ray: the run's {len(specs)} role processes need more "
+                f"than the cluster has ({wants}); lower ray.buffer/learner/rollout.num_cpus (or num_gpus, "
+                "resources), run fewer processes, or add nodes"
+            )
+
+    def _local_cpus(self, needed: float) -> int:
+        """Logical CPUs of a local instance: ray.local_num_cpus, or enough for one bundle per
+        role process even on a machine with fewer cores (roles share cores, as under
+        `sluice run`; the thread split is the role's, docs/architecture.md "Cores and threads")."""
+        cores = os.cpu_count() or 1
+        cpus = self.cfg.ray.local_num_cpus or max(cores, math.ceil(needed))
+        if cpus > cores:
+            self.console.print(
+                f"local Ray instance: {cpus} logical CPUs for the run's role processes on {cores} cores "
+                "(set ray.local_num_cpus to choose)"
+            )
+        return cpus
 
     def place(self) -> None:
         import ray
@@ -153,10 +204,8 @@ class RayLauncher:
         from ray.util import placement_group
 
         rc = self.cfg.ray
-        roles = [("buffer", k, rc.buffer) for k in range(self.cfg.buffer.shards)]
-        roles.append(("learner", 0, rc.learner))
-        roles += [("rollout", i, rc.rollout) for i in range(self.cfg.rollout.services)]
-        bundles = [_bundle(res) for _, _, res in roles]
+        specs = plan_roles(self.cfg)
+        bundles = [_bundle(spec.resources) for spec in specs]
         self.pg = placement_group(bundles, strategy=rc.strategy, name=f"sluice-{self.cfg.run.name}")
         try:
             ray.get(self.pg.ready(), timeout=rc.ready_timeout_s)
@@ -165,7 +214,7 @@ class RayLauncher:
                 f"Ray did not grant the placement group within {rc.ready_timeout_s:.0f}s: asked for "
                 f"{bundles} ({rc.strategy}); the cluster has {ray.cluster_resources()}"
             ) from None
-        self.placed = [Placed(role, index, b) for b, (role, index, _) in enumerate(roles)]
+        self.placed = [Placed(spec, b) for b, spec in enumerate(specs)]
         self._start_actors(self.placed)
 
     def _start_actors(self, placed: list[Placed]) -> None:
@@ -177,7 +226,7 @@ class RayLauncher:
         if pg is None:
             raise RuntimeError("ray launcher: no placement group to start actors in (start() makes it)")
         for p in placed:
-            res: RoleResources = getattr(self.cfg.ray, p.role)
+            res = p.spec.resources
             p.actor = self.actor_class.options(
                 num_cpus=res.num_cpus,
                 num_gpus=res.num_gpus,
@@ -187,7 +236,7 @@ class RayLauncher:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=p.bundle
                 ),
-            ).remote(p.role, p.index, str(self.run_dir))
+            ).remote(p.spec, str(self.run_dir))
         nodes = ray.get([p.actor.node.remote() for p in placed], timeout=self.cfg.ray.ready_timeout_s)
         for p, node in zip(placed, nodes):
             p.node = node
@@ -195,7 +244,9 @@ class RayLauncher:
     # -- addresses -----------------------------------------------------------------------------
 
     def resolve_addresses(self) -> RunConfig:
-        """Ports reserved by the actors on their own nodes, written into the config."""
+        """Ports reserved by the actors on their own nodes, written into the config: each shard's
+        endpoint, and for each learner group its rank 0's node with a control, weight-sync store
+        and rendezvous port."""
         import ray
 
         cfg = self.cfg.model_copy(deep=True)
@@ -203,11 +254,17 @@ class RayLauncher:
         shard_ports = ray.get([p.actor.reserve_ports.remote(1) for p in shards])
         cfg.buffer.endpoints = [f"tcp://{p.node_ip()}:{ports[0]}" for p, ports in zip(shards, shard_ports)]
         cfg.buffer.bind = [f"tcp://*:{ports[0]}" for ports in shard_ports]
-        learner = self._get("learner")
-        control_port, store_port = ray.get(learner.actor.reserve_ports.remote(2))
-        cfg.control.host, cfg.control.port = learner.node_ip(), control_port
-        cfg.control.bind = f"tcp://*:{control_port}"
-        cfg.weight_sync.master_addr, cfg.weight_sync.master_port = learner.node_ip(), store_port
+        heads = [p for p in self.placed if p.role == "learner" and p.spec.index == 0]
+        reserved = ray.get([p.actor.reserve_ports.remote(3) for p in heads])
+        for head, (control, store, dist) in zip(heads, reserved):
+            ip = head.node_ip()
+            if head.spec.policy == cfg.learner.policies[0]:
+                cfg.control.host, cfg.control.port, cfg.control.bind = ip, control, f"tcp://*:{control}"
+                cfg.weight_sync.master_addr, cfg.weight_sync.master_port = ip, store
+                cfg.learner.master_addr, cfg.learner.master_port = ip, dist
+            else:
+                ports = GroupPorts(control=control, weight_sync=store, dist=dist, host=ip)
+                cfg.learner.group_ports[head.spec.policy] = ports
         return cfg
 
     def _get(self, name: str) -> Placed:
@@ -218,7 +275,7 @@ class RayLauncher:
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events = JsonlLog(self.run_dir / "metrics" / "launcher.jsonl")
-        materialize_model_dir(self.cfg.model, self.run_dir)
+        materialize_policy_dir(self.cfg)  # an LLM or an MLP policy, as `sluice run` builds it
         self.connect()
         self.place()
         self.cfg = self.resolve_addresses()
@@ -291,17 +348,19 @@ class RayLauncher:
             rc, error = None, f"failed: {str(e).strip().splitlines()[-1]}"
         self._record("exit", p, rc=rc, error=error)
         error = escape(error) if error is not None else None  # printed as rich markup below
+        p.exit_code = rc if isinstance(rc, int) else None
         if p.role == "learner":
-            if rc == EXIT_OK:
-                return EXIT_OK
-            self.console.print(
-                f"[red]learner ended ({error or f'exit {rc}'}); see {self.run_dir}/logs/learner.log"
-            )
-            return EXIT_FAILED
-        if p.role == "rollout" and rc == EXIT_OK:
+            if rc != EXIT_OK:
+                self.console.print(
+                    f"[red]{p.name} ended ({error or f'exit {rc}'}); see {self.run_dir}/logs/{p.name}.log"
+                )
+                return EXIT_FAILED
+            done = all(q.exit_code == EXIT_OK for q in self.placed if q.role == "learner")
+            return EXIT_OK if done else None  # the run ends when every learner rank has
+        if p.spec.exits_with_run and rc == EXIT_OK:
             return None  # a rollout ends itself when the learner announces shutdown
         if (
-            p.role == "rollout"
+            p.spec.restartable
             and p.restarts < self.cfg.rollout.max_restarts
             and restartable(rc if isinstance(rc, int) else None)
         ):
@@ -348,6 +407,9 @@ class RayLauncher:
         try:
             self.start()
             code = self.supervise()
+        except PlacementError as e:
+            self.console.print(f"[red]{escape(str(e))}")
+            return EXIT_CONFIG
         finally:
             self.shutdown()
         plots = write_run_plots(self.run_dir)

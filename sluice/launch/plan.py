@@ -1,0 +1,121 @@
+"""The role plan: one function turns a config into the role processes a run needs, and one
+function runs any of them. Every launcher starts what `plan_roles` lists (`sluice run` as
+child processes, `sluice ray` as actors, compose and Slurm as one command each), and every
+role process, whatever started it, runs `run_role_spec`: a config that runs locally runs the
+same everywhere (docs/architecture.md, "Role plan").
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sluice.config.learner import GroupPorts
+from sluice.config.policy import learner_role, policy_of_service
+from sluice.config.ray import RoleResources
+from sluice.config.run import RunConfig
+
+RoleKind = Literal["buffer", "learner", "rollout"]
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role process of a run."""
+
+    kind: RoleKind
+    index: int  # buffer shard k, rollout service i, or the learner rank
+    policy: str  # the policy a learner rank trains or a rollout service serves ("" for shards)
+    name: str  # buffer-0, learner, learner-r1, learner-<policy>, rollout-3: logs, metrics, endpoints
+    resources: RoleResources  # what a scheduler reserves for it (ray.<kind>)
+    env: dict[str, str] = field(default_factory=dict)  # torchrun's variables for a learner rank
+    exits_with_run: bool = False  # ends by itself, with 0, when the learner is done
+    restartable: bool = False  # a launcher starts it again when it dies (rollout services)
+
+    @property
+    def args(self) -> list[str]:
+        """`python -m sluice.cli <args> CONFIG`: the per-role command that runs this spec."""
+        if self.kind == "buffer":
+            return ["buffer", "--shard", str(self.index)]
+        if self.kind == "rollout":
+            return ["rollout", "--index", str(self.index)]
+        return ["learner", "--policy", self.policy]
+
+    @property
+    def group_rank(self) -> int:
+        """A learner rank's rank in its group (0 for the other roles)."""
+        return int(self.env.get("RANK", "0"))
+
+
+def plan_roles(cfg: RunConfig) -> list[RoleSpec]:
+    """Every role process of `cfg`, in start order: shards, learner groups, rollout services."""
+    ray = cfg.ray
+    roles = [RoleSpec("buffer", k, "", f"buffer-{k}", ray.buffer) for k in range(cfg.buffer.shards)]
+    for policy in cfg.learner.policies:
+        roles += learner_group(cfg, policy)
+    for i in range(cfg.rollout.services):
+        policy, _ = policy_of_service(cfg, i)
+        roles.append(
+            RoleSpec("rollout", i, policy, f"rollout-{i}", ray.rollout, exits_with_run=True, restartable=True)
+        )
+    return roles
+
+
+def learner_group(cfg: RunConfig, policy: str) -> list[RoleSpec]:
+    """The ranks of one policy's learner group, with torchrun's environment when it has more
+    than one (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT of the group's rank 0)."""
+    lc = cfg.learner
+    if policy == lc.policies[0]:
+        master_addr, port = lc.master_addr, lc.master_port
+    else:
+        ports = lc.group_ports.get(policy, GroupPorts())
+        master_addr, port = ports.host or lc.master_addr, ports.dist
+    out = []
+    for rank in range(lc.ranks):
+        env = {}
+        if lc.ranks > 1:
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(lc.ranks),
+                "LOCAL_WORLD_SIZE": str(lc.ranks),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(port),
+            }
+        name = learner_role(cfg, policy, rank)
+        out.append(RoleSpec("learner", rank, policy, name, cfg.ray.learner, env, exits_with_run=True))
+    return out
+
+
+def run_role_spec(cfg: RunConfig, spec: RoleSpec, stop: threading.Event) -> int:
+    """Run one role in this process until it ends or `stop` is set; its exit code. A learner
+    rank reads its place in the group from the environment (`spec.env`, set by the launcher)."""
+    if spec.kind == "buffer":
+        from sluice.buffer.service import run_buffer
+
+        return run_buffer(cfg, spec.index, stop)
+    if spec.kind == "learner":
+        from sluice.learner.loop import run_learner
+
+        return run_learner(cfg, stop, spec.policy)
+    if cfg.rollout.kind == "env":
+        from sluice.rollout_svc.env_service import run_env_rollout
+
+        return run_env_rollout(cfg, spec.index, stop)
+    from sluice.rollout_svc.service import run_rollout
+
+    return run_rollout(cfg, spec.index, stop)
+
+
+def find_spec(cfg: RunConfig, kind: RoleKind, index: int = 0, policy: str | None = None) -> RoleSpec:
+    """The spec a per-role command stands for (`sluice buffer --shard K`, `sluice rollout
+    --index I`, `sluice learner --policy P` with RANK from the environment)."""
+    policy = policy or (cfg.learner.policies[0] if kind == "learner" else None)
+    for spec in plan_roles(cfg):
+        if spec.kind != kind or spec.index != index:
+            continue
+        if kind == "learner" and spec.policy != policy:
+            continue
+        return spec
+    what = {"buffer": "buffer.shards", "rollout": "rollout.services", "learner": "learner.ranks"}[kind]
+    raise ValueError(f"no {kind} {index}{f' of policy {policy!r}' if policy else ''} in this config ({what})")
