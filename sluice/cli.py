@@ -166,6 +166,27 @@ def learner(
 
 
 @app.command()
+def compose(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    config_path: Annotated[
+        str | None, typer.Option(help="the config's path inside the containers (default /app/configs/<name>)")
+    ] = None,
+    out: Annotated[str | None, typer.Option(help="write here instead of stdout")] = None,
+) -> None:
+    """A docker-compose file with one service per process of the config's role plan."""
+    from sluice.launch.compose import compose_text
+
+    cfg = _load(config, overrides)
+    inside = config_path or f"/app/configs/{Path(config).name}"
+    text = compose_text(cfg, inside, shown_as=" ".join(["configs/" + Path(config).name, *(overrides or [])]))
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        Path(out).write_text(text)
+
+
+@app.command()
 def status(
     target: Annotated[str, typer.Argument(help="run directory (its resolved config.yaml) or a config file")],
     overrides: OverridesArg = None,

@@ -180,3 +180,36 @@ def test_readme_test_command_is_what_ci_runs():
     ci_command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert blocks[1].strip() == ci_command
     assert '-m "not slow"' in ci_command and ci_command.index("not slow") < ci_command.index("-m slow")
+
+
+def test_the_compose_file_is_the_role_plans_and_current():
+    """deploy/docker-compose.yml is `sluice compose configs/quickstart.yaml`: regenerated here,
+    it must come out the same (the layout cannot drift from `sluice run`'s)."""
+    from sluice.launch.compose import compose_text
+
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml")
+    assert COMPOSE.read_text() == compose_text(cfg, "/app/configs/quickstart.yaml", "configs/quickstart.yaml")
+
+
+def test_compose_for_two_policies_and_a_learner_group_of_two():
+    """Every planned process is a service; each reads a config whose addresses are services."""
+    from sluice.config.policy import policy_view
+    from sluice.launch.compose import compose_file
+    from sluice.launch.plan import plan_roles
+
+    overrides = ["learner.policies=[a, b]", "learner.ranks=2"]
+    cfg = load_config(ROOT / "configs" / "cartpole.yaml", overrides)
+    services = compose_file(cfg, "/app/configs/cartpole.yaml")["services"]
+    assert set(services) - {"status"} == {s.name for s in plan_roles(cfg)}
+    assert {"learner", "learner-r1", "learner-b", "learner-b-r1"} <= set(services)
+    for name in ("learner", "learner-b-r1", "rollout-1"):
+        svc = services[name]
+        command, params = parse_cli(svc["command"])
+        seen = load_config(ROOT / "configs" / "cartpole.yaml", overrides, env=svc["environment"])
+        policy = params.get("policy") or ("b" if name == "rollout-1" else "a")
+        view = policy_view(seen, policy)
+        head = "learner" if policy == "a" else "learner-b"
+        assert view.control.host == view.weight_sync.master_addr == head
+        assert str(view.control.port) in services[head]["expose"]
+    assert services["learner-b-r1"]["environment"]["MASTER_ADDR"] == "learner-b"
+    assert services["learner-b-r1"]["environment"]["RANK"] == "1"
