@@ -54,6 +54,7 @@ class StepBatch:
     fetched: FetchedBatch | None = None
     trained: list[Trajectory] = field(default_factory=list)  # every rank's share together
     violations: int = 0
+    lost_lineage: int = 0  # samples newer than this learner: made by weights a restart lost
     skipped: list[str] = field(default_factory=list)
     fetch_wait_s: float = 0.0
     scatter_s: float = 0.0
@@ -91,6 +92,7 @@ class Learner:
             "tokens": 0,
             "dropped_stale": 0,
             "violations": 0,
+            "lost_lineage": 0,
             "skipped": 0,
             "episodes": 0,
             **state.get("totals", {}),
@@ -115,7 +117,7 @@ class Learner:
         self.ledger = LeaseLedger.from_state(state.get("leases", {}))
         if resumed:
             self._settle_resumed(state)
-        admission = AdmissionPolicy(lc.batch_size, lc.max_staleness, started=self.version * lc.batch_size)
+        admission = AdmissionPolicy(lc.batch_size, lc.max_staleness, started=self._admitted_already())
         self.control = ControlServer(
             cfg.control.bind_endpoint,
             admission,
@@ -143,6 +145,21 @@ class Learner:
         )
         if self.audit is not None and resumed:
             self.audit.write({"resumed_from": self.version})
+
+    def _admitted_already(self) -> int:
+        """What the admission rule counts as started when this learner begins: the samples of
+        the versions before it, and the backlog the shards hold for this policy (queued, or
+        leased to a learner that died), which will be consumed or dropped (then released)
+        before anything admitted now. Not counting the backlog after a resume let a full
+        buffer's worth more be in flight than the bound for the rest of the run (each stale
+        drop releasing its quota again): 64-384 stale drops per step, measured."""
+        backlog = sum(
+            (s.stats.get(f"backlog.{self.policy_id}", 0) for s in self.buffer.stats(missing_ok=True) if s),
+            0,
+        )
+        if backlog:
+            log.info("admission: the shards hold %d trajectories of %s already", backlog, self.policy_id)
+        return self.version * self.cfg.learner.batch_size + backlog
 
     def _settle_resumed(self, state: dict) -> None:
         """The checkpoint lists the leases trained since the one before; ACK them unless the
@@ -230,7 +247,10 @@ class Learner:
         if fetched is None:
             return None, [STOP, 0], None
         assert fetched.version == self.version
-        fresh = [t for t in fetched.leased.trajs if t.version >= fetched.min_version]
+        # Newer than this learner: generated, before a crash, by weights the resumed learner
+        # never made (its checkpoint is older). Its versions will be made again, differently.
+        current = [t for t in fetched.leased.trajs if t.version <= fetched.version]
+        fresh = [t for t in current if t.version >= fetched.min_version]
         trainable, skipped = self.ledger.filter(fresh)
         next_version = self.version + 1 if trainable else self.version
         if next_version < lc.total_steps:
@@ -244,7 +264,8 @@ class Learner:
             checkpoint_after=due,
             fetched=fetched,
             trained=trainable,
-            violations=len(fetched.leased.trajs) - len(fresh),
+            violations=len(current) - len(fresh),
+            lost_lineage=len(fetched.leased.trajs) - len(current),
             skipped=skipped,
             fetch_wait_s=time.perf_counter() - t0,
         )
@@ -273,7 +294,9 @@ class Learner:
         if not self.dist.is_main:
             return
         fetched = step.rank0_fetched()
-        self.control.release(step.violations)  # dropped samples were released as they came
+        # Neither kind is trained: their quota comes back (a lost lineage's samples were
+        # counted as started with the shards' backlog when this learner began).
+        self.control.release(step.violations + step.lost_lineage)
         self.control.seen(Counter(t.group_id.split("/", 1)[0] for t in fetched.leased.trajs))
         self.ledger.add(fetched.leased, step.skipped, fetched.leased_at)
         if self.audit is not None:
@@ -345,6 +368,7 @@ class Learner:
         self.totals["tokens"] += tokens
         self.totals["dropped_stale"] += s.rank0_fetched().leased.dropped_stale
         self.totals["violations"] += s.violations
+        self.totals["lost_lineage"] += s.lost_lineage
         self.totals["skipped"] += len(s.skipped)
         self.metrics.observe_staleness(lags)
         rewards = [t.reward for t in trained]
@@ -366,6 +390,7 @@ class Learner:
             "staleness_hist": np.bincount(lags, minlength=lc.max_staleness + 1).tolist(),
             "dropped_stale": s.rank0_fetched().leased.dropped_stale,
             "staleness_violations": s.violations,
+            "lost_lineage": s.lost_lineage,
             **{f"total_{k}": v for k, v in self.totals.items()},
         }
         if not kind_llm and self.returns:

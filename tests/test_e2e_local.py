@@ -154,3 +154,36 @@ def test_a_learner_paused_20s_costs_no_rollout_restart(tmp_path, process_reaper)
     assert {r.stem: json.loads(r.read_text())["pid"] for r in records} == pids  # the same processes
     os.kill(proc.pid, signal.SIGINT)
     proc.wait(timeout=60)
+
+
+def test_a_killed_learner_is_restarted_from_its_checkpoint_exactly_once_and_without_a_stale_surge(
+    tmp_path, process_reaper
+):
+    """kill -9 the learner: the launcher restarts its group from the latest checkpoint while the
+    shard keeps the data and rollouts come back; along the surviving lineage every trajectory is
+    trained once, and admission counts the shard's backlog (before: 64-384 stale drops per step
+    for the rest of the run)."""
+    run_dir = tmp_path / "run"
+    overrides = ("learner.total_steps=80", "learner.checkpoint_every=10", "learner.audit_consumed=true",
+                 "buffer.capacity=2048")  # fmt: skip
+    proc = start_run(run_dir, *overrides)
+    process_reaper.append(proc)
+    wait_until(lambda: learner_steps(run_dir) >= 25, proc, "25 learner steps")
+    os.kill(json.loads((run_dir / "endpoints" / "learner.json").read_text())["pid"], signal.SIGKILL)
+    assert proc.wait(timeout=600) == 0, proc.stdout.read().decode()[-3000:] if proc.stdout else ""
+    events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
+    assert [e["role"] for e in events if e.get("event") == "restarted" and e["role"] == "learner"] == [
+        "learner"
+    ]
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    assert [s["version"] for s in steps] == list(range(1, 81))  # the resumed file: one lineage
+    audit = read_jsonl(run_dir / "metrics" / "consumed.jsonl")
+    cut = next(i for i, r in enumerate(audit) if "resumed_from" in r)
+    resumed = audit[cut]["resumed_from"]
+    assert resumed >= 20 and resumed % 10 == 0
+    lineage = [r for r in audit[:cut] if r["version"] <= resumed] + audit[cut + 1 :]
+    trained = [i for r in lineage for i in r["trained"]]
+    assert len(trained) == len(set(trained)) == 80 * 128
+    last = steps[-1]
+    assert last["total_violations"] == 0 and max(s["staleness_max"] for s in steps) <= 1
+    assert last["total_dropped_stale"] <= 3 * 128, last["total_dropped_stale"]

@@ -168,17 +168,31 @@ class FifoStore(ShardStore):
         groups += [g for lease in self.leases.values() for g in lease.groups]
         return sorted(groups, key=lambda g: g.seq)
 
+    def backlog(self) -> dict[str, int]:
+        """Per policy, trajectories queued or leased: delivered by producers, not yet ACKed.
+        A learner that starts (or resumes) counts them as admitted already."""
+        out: dict[str, int] = {}
+        groups = [g for q in self.queues.values() for g in q]
+        groups += [g for lease in self.leases.values() for g in lease.groups]
+        for g in groups:
+            out[f"backlog.{g.policy_id}"] = out.get(f"backlog.{g.policy_id}", 0) + g.size
+        return out
+
     def stats(self) -> dict[str, int]:
         c = self.counters
-        return super().stats() | {
-            "queued": self.queued,
-            "queued_bytes": self.queued_bytes,
-            "leased": self.leased,
-            "leases": len(self.leases),
-            "delivered": c.leased_trajs,
-            "acked": c.acked_trajs,
-            "redelivered": c.redelivered_trajs,
-        }
+        return (
+            super().stats()
+            | self.backlog()
+            | {
+                "queued": self.queued,
+                "queued_bytes": self.queued_bytes,
+                "leased": self.leased,
+                "leases": len(self.leases),
+                "delivered": c.leased_trajs,
+                "acked": c.acked_trajs,
+                "redelivered": c.redelivered_trajs,
+            }
+        )
 
     # -- internals -----------------------------------------------------------------------------
 

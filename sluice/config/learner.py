@@ -86,6 +86,10 @@ class LearnerConfig(Section):
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every k steps (0: only the final one). Leases of trained batches are
     ACKed once a checkpoint holding their effect is on disk (see learner/leases.py)."""
+    max_restarts: int = Field(default=2, ge=0)
+    """Times `sluice run` restarts a learner group that died (killed, crashed), from its latest
+    checkpoint (learner.resume=auto), while the shards and rollout services go on. Needs
+    checkpoint_every > 0; without a checkpoint a dead learner fails the run."""
     keep_checkpoints: int = Field(default=2, ge=1)
     """Checkpoints kept on disk (older ones are deleted)."""
     resume: str | None = None

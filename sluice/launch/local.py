@@ -29,6 +29,7 @@ from rich.console import Console
 
 from sluice.config.learner import GroupPorts
 from sluice.config.loader import ENV_PREFIX, dump_config
+from sluice.config.policy import role_suffix
 from sluice.config.run import RunConfig
 from sluice.launch.plan import RoleSpec, plan_roles
 from sluice.launch.progress import training_progress
@@ -134,6 +135,7 @@ class LocalLauncher:
         self.console = console or Console(stderr=True)
         self.show_progress = show_progress
         self.children: list[Child] = []
+        self.learner_restarts: dict[str, int] = {}  # policy -> times its group was restarted
         self.stop = threading.Event()
 
     def prepare(self) -> Path:
@@ -144,7 +146,7 @@ class LocalLauncher:
         dump_config(self.cfg, config_path)
         return config_path
 
-    def _spawn(self, spec: RoleSpec, config_path: Path) -> Child:
+    def _spawn(self, spec: RoleSpec, config_path: Path, overrides: list[str] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{spec.name}.log"
         # SLUICE__* overrides are already in the resolved config; applied again they could
         # undo what the launcher resolved (e.g. a port of 0).
@@ -153,7 +155,7 @@ class LocalLauncher:
         env.setdefault("OMP_NUM_THREADS", "1")
         with log_path.open("ab") as log_fh:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "sluice.cli", *spec.args, str(config_path)],
+                [sys.executable, "-m", "sluice.cli", *spec.args, str(config_path), *(overrides or [])],
                 stdout=log_fh,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -193,6 +195,7 @@ class LocalLauncher:
                     )
                 learners = [c for c in self.children if c.is_learner]
                 failed = [c for c in learners if c.proc.poll() not in (None, 0)]
+                failed = [c for c in failed if not self._restart_learner_group(c, run_log)]
                 if failed:
                     for c in failed:
                         self._report_death(c, c.proc.returncode)
@@ -239,6 +242,35 @@ class LocalLauncher:
                 "pid": new.proc.pid,
             }
         )
+        return True
+
+    def _restart_learner_group(self, child: Child, run_log: JsonlLog) -> bool:
+        """A learner rank died: stop its whole group and start every rank again from the
+        group's latest checkpoint (`learner.resume=auto`). The shards and rollout services go
+        on; what the lost steps trained is trained again (their leases were never ACKed).
+        False: no checkpoint to resume from yet (a fresh start would go back to version 0 under
+        rollouts that hold newer weights), `learner.max_restarts` used up, or an exit a restart
+        would repeat."""
+        lc, rc = self.cfg.learner, child.proc.returncode
+        done = self.learner_restarts.get(child.spec.policy, 0)
+        latest = self.run_dir / f"checkpoints{role_suffix(self.cfg, child.spec.policy)}" / "latest"
+        if not latest.exists() or done >= lc.max_restarts or not restartable(rc):
+            return False
+        group = [c for c in self.children if c.is_learner and c.spec.policy == child.spec.policy]
+        for c in group:
+            _signal_group(c.proc, signal.SIGKILL)
+            c.proc.wait()
+            self.children.remove(c)
+        self.learner_restarts[child.spec.policy] = done + 1
+        self.console.print(
+            f"[yellow]{child.name} exited with code {rc}; restarting its learner group from the latest "
+            f"checkpoint ({done + 1}/{lc.max_restarts})"
+        )
+        for c in group:
+            new = self._spawn(c.spec, self.run_dir / "config.yaml", ["learner.resume=auto"])
+            run_log.write(
+                {"event": "restarted", "role": c.name, "rc": rc, "restarts": done + 1, "pid": new.proc.pid}
+            )
         return True
 
     def _child(self, name: str) -> Child:
