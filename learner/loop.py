@@ -294,9 +294,12 @@ class Learner:
         if not self.dist.is_main:
             return
         fetched = step.rank0_fetched()
-        # Neither kind is trained: their quota comes back (a lost lineage's samples were
-        # counted as started with the shards' backlog when this learner began).
-        self.control.release(step.violations + step.lost_lineage)
+        # Samples of the batch not trained (beyond the bound, or of a lost lineage) give their
+        # quota back only when the step makes no version: a step that does advances the quota
+        # by a whole batch, these included (released as well, they stayed in flight beyond the
+        # bound for the rest of the run: 64 stale drops per step after a resume, measured).
+        if not step.trained:
+            self.control.release(step.violations + step.lost_lineage)
         self.control.seen(Counter(t.group_id.split("/", 1)[0] for t in fetched.leased.trajs))
         self.ledger.add(fetched.leased, step.skipped, fetched.leased_at)
         if self.audit is not None:

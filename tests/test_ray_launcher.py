@@ -215,3 +215,31 @@ def test_roles_spread_over_the_nodes_of_a_multi_node_cluster(tmp_path):
     placed = {e["role"]: e["node_id"] for e in events(run_dir, "placed")}
     assert len(set(placed.values())) == 2, placed  # both nodes hold roles
     assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 8
+
+
+def test_a_killed_learner_is_restarted_from_its_checkpoint_under_ray(tmp_path, process_reaper):
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    proc = start_ray_run(
+        run_dir, log, "learner.total_steps=60", "learner.checkpoint_every=10", "learner.audit_consumed=true",
+        "buffer.capacity=2048",
+    )  # fmt: skip
+    process_reaper.append(proc)
+    alive = running({"sluice ray": proc}, lambda _: log.read_text()[-3000:])
+
+    def steps() -> list[dict]:
+        return read_jsonl(run_dir / "metrics" / "learner.jsonl")
+
+    wait_until(lambda: len(steps()) >= 22, 300, "22 learner steps", interval_s=0.5, check=alive)
+    os.kill(json.loads((run_dir / "endpoints" / "learner.json").read_text())["pid"], signal.SIGKILL)
+    assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
+    assert [e["role"] for e in events(run_dir, "restarted") if e["role"].startswith("learner")] == ["learner"]
+    assert [s["version"] for s in steps()] == list(range(1, 61))
+    audit = read_jsonl(run_dir / "metrics" / "consumed.jsonl")
+    cut = next(i for i, r in enumerate(audit) if "resumed_from" in r)
+    lineage = [r for r in audit[:cut] if r["version"] <= audit[cut]["resumed_from"]] + audit[cut + 1 :]
+    trained = [i for r in lineage for i in r["trained"]]
+    assert len(trained) == len(set(trained)) == sum(s["samples"] for s in steps())
+    assert (
+        sum(s["samples"] for s in steps()) >= 60 * 128 - 2 * 128
+    )  # a lost lineage's samples are not trained
+    assert steps()[-1]["total_dropped_stale"] <= 3 * 128, steps()[-1]["total_dropped_stale"]

@@ -29,9 +29,8 @@ from rich.console import Console
 
 from sluice.config.learner import GroupPorts
 from sluice.config.loader import ENV_PREFIX, dump_config
-from sluice.config.policy import role_suffix
 from sluice.config.run import RunConfig
-from sluice.launch.plan import RoleSpec, plan_roles
+from sluice.launch.plan import RoleSpec, learner_restartable, plan_roles
 from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
 from sluice.launch.threads import available_cores, plan_threads
@@ -245,29 +244,31 @@ class LocalLauncher:
         return True
 
     def _restart_learner_group(self, child: Child, run_log: JsonlLog) -> bool:
-        """A learner rank died: stop its whole group and start every rank again from the
-        group's latest checkpoint (`learner.resume=auto`). The shards and rollout services go
-        on; what the lost steps trained is trained again (their leases were never ACKed).
-        False: no checkpoint to resume from yet (a fresh start would go back to version 0 under
-        rollouts that hold newer weights), `learner.max_restarts` used up, or an exit a restart
-        would repeat."""
-        lc, rc = self.cfg.learner, child.proc.returncode
-        done = self.learner_restarts.get(child.spec.policy, 0)
-        latest = self.run_dir / f"checkpoints{role_suffix(self.cfg, child.spec.policy)}" / "latest"
-        if not latest.exists() or done >= lc.max_restarts or not restartable(rc):
+        """A learner rank died: stop its whole group and its policy's rollout services, then
+        start the group again from its latest checkpoint (`learner.resume=auto`) and the
+        services after it. The shards keep the data; what the lost steps trained is trained
+        again (their leases were never ACKed). The services go too because they hold grants of
+        the dead learner's control server and its weight-sync store: one that PUT a batch after
+        the new learner counted the backlog would keep that many samples beyond the staleness
+        bound in flight for the rest of the run. False: not restartable (learner_restartable)."""
+        rc, policy = child.proc.returncode, child.spec.policy
+        done = self.learner_restarts.get(policy, 0)
+        if not learner_restartable(self.cfg, policy, done, rc):
             return False
-        group = [c for c in self.children if c.is_learner and c.spec.policy == child.spec.policy]
-        for c in group:
+        group = [c for c in self.children if c.spec.kind != "buffer" and c.spec.policy == policy]
+        for c in group:  # rollouts before the new learner counts what the shards hold
             _signal_group(c.proc, signal.SIGKILL)
             c.proc.wait()
             self.children.remove(c)
-        self.learner_restarts[child.spec.policy] = done + 1
+        self.learner_restarts[policy] = done + 1
         self.console.print(
-            f"[yellow]{child.name} exited with code {rc}; restarting its learner group from the latest "
-            f"checkpoint ({done + 1}/{lc.max_restarts})"
+            f"[yellow]{child.name} exited with code {rc}; restarting its learner group (and its rollout "
+            f"services) from the latest checkpoint ({done + 1}/{self.cfg.learner.max_restarts})"
         )
-        for c in group:
-            new = self._spawn(c.spec, self.run_dir / "config.yaml", ["learner.resume=auto"])
+        for c in sorted(group, key=lambda c: c.spec.kind != "learner"):
+            extra = ["learner.resume=auto"] if c.is_learner else []
+            new = self._spawn(c.spec, self.run_dir / "config.yaml", extra)
+            new.restarts = c.restarts
             run_log.write(
                 {"event": "restarted", "role": c.name, "rc": rc, "restarts": done + 1, "pid": new.proc.pid}
             )

@@ -119,3 +119,15 @@ def find_spec(cfg: RunConfig, kind: RoleKind, index: int = 0, policy: str | None
         return spec
     what = {"buffer": "buffer.shards", "rollout": "rollout.services", "learner": "learner.ranks"}[kind]
     raise ValueError(f"no {kind} {index}{f' of policy {policy!r}' if policy else ''} in this config ({what})")
+
+
+def learner_restartable(cfg: RunConfig, policy: str, restarts_done: int, rc: int | None) -> bool:
+    """Whether a launcher may restart a dead learner group from its latest checkpoint: one
+    exists (before it, a restart would go back to version 0 under rollouts holding newer
+    weights), `learner.max_restarts` is not used up, and the exit is not one a restart repeats
+    (a bad config, a user's code that raised)."""
+    from sluice.config.policy import role_suffix
+    from sluice.launch.role import restartable
+
+    latest = cfg.run_dir / f"checkpoints{role_suffix(cfg, policy)}" / "latest"
+    return latest.exists() and restarts_done < cfg.learner.max_restarts and restartable(rc)

@@ -25,7 +25,7 @@ from sluice.config.loader import config_from_dict, dump_config
 from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
 from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
-from sluice.launch.plan import RoleSpec, find_spec, plan_roles, run_role_spec
+from sluice.launch.plan import RoleSpec, find_spec, learner_restartable, plan_roles, run_role_spec
 from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USER_CODE, quiet_libraries, restartable
 from sluice.metrics import JsonlLog
@@ -152,6 +152,7 @@ class RayLauncher:
         self.show_progress = show_progress
         self.stop = threading.Event()
         self.placed: list[Placed] = []
+        self.learner_restarts: dict[str, int] = {}  # policy -> times its group was restarted
         self.pg = None
         self.events: JsonlLog | None = None
         self.config: dict[str, Any] = {}
@@ -350,6 +351,8 @@ class RayLauncher:
         error = escape(error) if error is not None else None  # printed as rich markup below
         p.exit_code = rc if isinstance(rc, int) else None
         if p.role == "learner":
+            if rc != EXIT_OK and self._restart_learner_group(p, rc, error):
+                return None
             if rc != EXIT_OK:
                 self.console.print(
                     f"[red]{p.name} ended ({error or f'exit {rc}'}); see {self.run_dir}/logs/{p.name}.log"
@@ -378,6 +381,34 @@ class RayLauncher:
             f"[red]{p.name} {error or f'exited {rc}'}; failing the run (logs: {self.run_dir}/logs)"
         )
         return EXIT_FAILED
+
+    def _restart_learner_group(self, p: Placed, rc: Any, error: str | None) -> bool:
+        """As under `sluice run` (LocalLauncher._restart_learner_group: the group and its
+        policy's rollout services, in their bundles, the learner from its latest checkpoint);
+        the checkpoint must be where this driver sees the run directory (one node, or a
+        shared file system)."""
+        import ray
+
+        policy = p.spec.policy
+        done = self.learner_restarts.get(policy, 0)
+        if not learner_restartable(self.cfg, policy, done, rc if isinstance(rc, int) else None):
+            return False
+        self.learner_restarts[policy] = done + 1
+        group = [q for q in self.placed if q.role != "buffer" and q.spec.policy == policy]
+        self.console.print(
+            f"[yellow]{p.name} {error or f'exited {rc}'}; restarting its learner group (and its rollout "
+            f"services) from the latest checkpoint ({done + 1}/{self.cfg.learner.max_restarts})"
+        )
+        for q in group:  # rollouts before the new learner counts what the shards hold
+            q.ref, q.exit_code = None, None
+            ray.kill(q.actor, no_restart=True)
+        group.sort(key=lambda q: q.role != "learner")
+        self._start_actors(group)
+        resumed = {**self.config, "learner": {**self.config["learner"], "resume": "auto"}}
+        for q in group:
+            self._record("restarted", q, restarts=done + 1, reason=error or f"exit {rc}")
+            q.ref = q.actor.run.remote(resumed if q.role == "learner" else self.config)
+        return True
 
     def shutdown(self, grace_s: float = 15.0) -> None:
         import ray
