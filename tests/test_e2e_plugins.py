@@ -93,10 +93,10 @@ def test_a_task_and_rewards_from_files_outside_the_package_train(tmp_path):
         run_dir,
         f"task.name={SOURCE / 'task.py'}:FirstDigitTask",
         rewards_by_file(),
-        "learner.total_steps=100",
+        "learner.total_steps=30",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    learned(run_dir, gain=0.15)
+    assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 30  # (learning: the installed test)
     assert "mean/reward_first_digit_right" in rollout_record(run_dir)
 
 

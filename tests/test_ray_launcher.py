@@ -163,7 +163,7 @@ CARTPOLE = ROOT / "configs" / "cartpole.yaml"
 @pytest.mark.parametrize(
     "config, overrides, learners",
     [
-        (CARTPOLE, ["learner.target_return=null", "learner.total_steps=20"], {"learner": 20}),
+        (CARTPOLE, ["learner.target_return=null", "learner.total_steps=10"], {"learner": 10}),
         (CARTPOLE, ["learner.target_return=null", "learner.total_steps=10", "learner.policies=[a, b]"],
          {"learner": 10, "learner-b": 10}),
         (QUICKSTART, [HF_ENGINE, "learner.ranks=2", "learner.total_steps=6"], {"learner": 6}),

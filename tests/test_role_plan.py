@@ -80,6 +80,8 @@ def test_find_spec_refuses_what_the_config_does_not_have():
         ValueError, match=r"no learner 1 of policy 'default' in this config \(learner.ranks\)"
     ):
         find_spec(cfg, "learner", 1)
+    joining = find_spec(cfg, "rollout", 5)  # a service beyond rollout.services joins (scale-out)
+    assert joining.name == "rollout-5" and joining.args == ["rollout", "--index", "5"] and joining.restartable
 
 
 @pytest.mark.parametrize(
@@ -88,10 +90,6 @@ def test_find_spec_refuses_what_the_config_does_not_have():
         (
             ["buffer", str(QUICKSTART), "--shard", "3"],
             "config error: no buffer 3 in this config (buffer.shards)",
-        ),
-        (
-            ["rollout", str(QUICKSTART), "--index", "5"],
-            "config error: no rollout 5 in this config (rollout.services)",
         ),
         (
             ["learner", str(QUICKSTART), "--policy", "nope"],

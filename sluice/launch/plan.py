@@ -111,6 +111,19 @@ def find_spec(cfg: RunConfig, kind: RoleKind, index: int = 0, policy: str | None
     """The spec a per-role command stands for (`sluice buffer --shard K`, `sluice rollout
     --index I`, `sluice learner --policy P` with RANK from the environment)."""
     policy = policy or (cfg.learner.policies[0] if kind == "learner" else None)
+    if kind == "rollout" and index >= cfg.rollout.services:
+        # Joining a running system beyond the planned services is how it scales out
+        # (docs/architecture.md, Rollout service, Membership): the same spec, one index on.
+        served, _ = policy_of_service(cfg, index)
+        return RoleSpec(
+            "rollout",
+            index,
+            served,
+            f"rollout-{index}",
+            cfg.ray.rollout,
+            exits_with_run=True,
+            restartable=True,
+        )
     for spec in plan_roles(cfg):
         if spec.kind != kind or spec.index != index:
             continue
