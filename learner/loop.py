@@ -339,6 +339,7 @@ class Learner:
         """Collective. Then rank 0 ACKs the leases whose effect the checkpoint holds."""
         state = None
         if self.dist.is_main:
+            self.metrics.flush()  # the log holds every step the checkpoint will
             state = {"totals": self.totals, "returns": list(self.returns), "leases": self.ledger.state_dict()}
         path = save_checkpoint(
             self.ckpt_root, self.version, self.trainer, self.dist, state, self.cfg.learner.keep_checkpoints
