@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from sluice.buffer.client import BufferClient
-from sluice.config.policy import policy_view, role_suffix
+from sluice.config.policy import checkpoint_root, policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer
@@ -79,7 +79,7 @@ class Learner:
         # writes nothing on ranks other than 0, so a rank building the directory would not.
         model_dir = materialize_policy_dir(cfg)
         self.dist: DistContext = init_dist(lc, pick_device(lc.device, int(os.environ.get("LOCAL_RANK", 0))))
-        self.ckpt_root = cfg.run_dir / f"checkpoints{self.suffix}"
+        self.ckpt_root = checkpoint_root(cfg, policy_id)
         resume = resolve_resume(lc.resume, self.ckpt_root)
         state = read_state(resume) if resume is not None else {}
         self.trainer = Trainer(cfg, self.dist, model_dir, resume)

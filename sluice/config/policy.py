@@ -8,6 +8,8 @@ policy's roles see it: the same file, with that policy's ports in the usual plac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from sluice.config.run import RunConfig
 
 
@@ -61,3 +63,8 @@ def role_suffix(cfg: RunConfig, policy_id: str) -> str:
 def learner_role(cfg: RunConfig, policy_id: str, rank: int) -> str:
     """Role name of one learner process: learner, learner-r1, learner-<policy>, learner-<policy>-r1."""
     return f"learner{role_suffix(cfg, policy_id)}" + (f"-r{rank}" if rank else "")
+
+
+def checkpoint_root(cfg: RunConfig, policy_id: str) -> Path:
+    """Where `policy_id`'s learner group keeps its checkpoints (`latest` links the newest)."""
+    return cfg.run_dir / f"checkpoints{role_suffix(cfg, policy_id)}"

@@ -251,6 +251,8 @@ class LocalLauncher:
         the dead learner's control server and its weight-sync store: one that PUT a batch after
         the new learner counted the backlog would keep that many samples beyond the staleness
         bound in flight for the rest of the run. False: not restartable (learner_restartable)."""
+        if child not in self.children:  # another rank of its group, dead in the same poll: restarted
+            return True
         rc, policy = child.proc.returncode, child.spec.policy
         done = self.learner_restarts.get(policy, 0)
         if not learner_restartable(self.cfg, policy, done, rc):

@@ -139,8 +139,8 @@ def learner_restartable(cfg: RunConfig, policy: str, restarts_done: int, rc: int
     exists (before it, a restart would go back to version 0 under rollouts holding newer
     weights), `learner.max_restarts` is not used up, and the exit is not one a restart repeats
     (a bad config, a user's code that raised)."""
-    from sluice.config.policy import role_suffix
+    from sluice.config.policy import checkpoint_root
     from sluice.launch.role import restartable
 
-    latest = cfg.run_dir / f"checkpoints{role_suffix(cfg, policy)}" / "latest"
+    latest = checkpoint_root(cfg, policy) / "latest"
     return latest.exists() and restarts_done < cfg.learner.max_restarts and restartable(rc)

@@ -318,6 +318,8 @@ class RayLauncher:
                     ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0.5)
                     verdict = None
                     for ref in ready:
+                        if running[ref].ref is not ref:  # restarted meanwhile (its learner group)
+                            continue
                         verdict = self._on_exit(running[ref]) if verdict is None else verdict
                     if verdict is not None:
                         code = verdict
