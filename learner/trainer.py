@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from sluice.config.run import RunConfig
+from sluice.config.workflow import ActorCritic
+from sluice.config.workflow_check import effective_workflow
 from sluice.learner.backends import TrainBackend, build_backend
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
@@ -24,25 +26,28 @@ from sluice.trajectory import Trajectory
 
 
 def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir: Path, device) -> Objective:
+    """The objective that runs the run's workflow (sluice/config/workflow.py)."""
+    workflow = effective_workflow(cfg)
     if cfg.model.kind == "mlp":
         from sluice.learner.objectives.env import EnvObjective
         from sluice.modeling.mlp import MLPPolicy
 
         if not isinstance(model, MLPPolicy):
             raise TypeError(f"model.kind mlp: expected an MLPPolicy, loaded a {type(model).__name__}")
-        return EnvObjective(cfg.learner.loss, cfg.learner.classic, model.config.obs_dim, device)
+        (stage,) = workflow.learner  # checked at load: one actor_critic stage
+        assert isinstance(stage, ActorCritic)
+        return EnvObjective(stage.loss, stage.classic, model.config.obs_dim, device)
     from sluice.learner.objectives.token import TokenObjective
     from sluice.modeling.sampling import SamplingTransform
 
     return TokenObjective(
-        cfg.learner.loss,
+        workflow.learner,
         tokenizer.pad_token_id,
         tokenizer.bos_token_id,
         SamplingTransform.of(cfg.rollout),
         device,
         reference_dir=model_dir,
         dtype=cfg.model.dtype,
-        llm=cfg.learner.llm,
     )
 
 

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sluice.config.loader import ConfigError
 from sluice.config.run import RunConfig
+from sluice.config.workflow_check import effective_workflow
 from sluice.launch.threads import role_threads
 from sluice.metrics import PrometheusEndpoint
 from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect, run_actor
@@ -30,6 +31,7 @@ from sluice.rollout_svc.engines.base import Engine, SamplingParams, WeightUpdate
 from sluice.rollout_svc.engines.registry import build_engine
 from sluice.rollout_svc.episodes import GroupRequest, Sample, multi_turn, single_turn
 from sluice.rollout_svc.evaluation import Evaluator
+from sluice.rollout_svc.filters import build_filters
 from sluice.rollout_svc.scoring import ScoredBatch, Scorer
 from sluice.rollout_svc.tasks.base import MultiTurnTask, Prompt, Task
 from sluice.rollout_svc.tasks.registry import build_task
@@ -72,6 +74,7 @@ class LLMProducer:
         self.engine: Engine = build_engine(cfg, rc.seed + 1000 * index)
         self.task: Task = build_task(cfg.task, seed=cfg.run.seed * 7919 + index)
         self.scorer = Scorer(self.task, cfg.task)
+        self.filters = build_filters(effective_workflow(cfg).rollout)
         self.tokenizer = self.engine.tokenizer
         if cfg.model.chat_template is not None:
             self.tokenizer.chat_template = cfg.model.chat_template  # type: ignore[attr-defined]
@@ -202,11 +205,8 @@ class LLMProducer:
         return prompts, ids
 
     def keep_group(self, group: list[Sample]) -> bool:
-        """DAPO's filter: a group whose rewards are all equal has zero advantages."""
-        if not self.cfg.rollout.drop_zero_variance_groups or len(group) < 2:
-            return True
-        rewards = [s.reward for s in group]
-        return max(rewards) - min(rewards) > 1e-9
+        """Whether every group filter of the workflow keeps the group (DAPO's and users')."""
+        return all(keep(group) for keep in self.filters)
 
     def build_group(self, prompt: Prompt, prompt_ids: list[int], group: list[Sample]) -> list[Trajectory]:
         group_id = f"{self.group_prefix}/{prompt.prompt_id}"

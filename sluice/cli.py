@@ -28,6 +28,7 @@ import typer
 
 from sluice.config.loader import ConfigError, load_config
 from sluice.config.run import RunConfig
+from sluice.config.workflow_check import preflight_workflow
 from sluice.launch.plan import RoleKind
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, resolve_index, run_role
 from sluice.learner.losses.plugin import check_loss
@@ -55,7 +56,10 @@ def _validate_plugins(cfg: RunConfig) -> None:
     """Fail before starting processes if a plugin the config names does not resolve or its
     settings are wrong: task, rewards, engine, environment (sluice/plugins.py)."""
     try:
-        check_loss(cfg.learner.loss)
+        if cfg.workflow is None:
+            check_loss(cfg.learner.loss)  # the legacy keys name no stage by reference
+        else:
+            preflight_workflow(cfg.workflow)
         if cfg.rollout.kind == "env":
             from sluice.modeling.policy import env_spaces
 

@@ -20,16 +20,16 @@ import hashlib
 import importlib
 import importlib.util
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator
+from pydantic import AfterValidator, BaseModel, ValidationError
 
-from sluice.config.errors import ConfigError
+from sluice.config.errors import ConfigError, format_validation_error
 
-GROUPS = ("tasks", "rewards", "engines", "losses", "envs")
+GROUPS = ("tasks", "rewards", "engines", "losses", "envs", "stages")
 
 
 class PluginError(ConfigError):
@@ -95,6 +95,27 @@ def resolve(ref: str, group: str, key: str, builtins: Mapping[str, Any] | None =
     except AttributeError:
         raise _error(key, ref, f"{where} has no attribute {attr!r}") from None
     return obj
+
+
+def resolve_function(
+    ref: str, group: str, key: str, params: Mapping[str, Any], params_key: Sequence[str]
+) -> tuple[Any, Any]:
+    """(the function `ref` names, `params` validated by its `Params` pydantic model, or as a
+    dict when it has none). Raises a one-line `ConfigError` naming `key` or `params_key`."""
+    fn = resolve(ref, group, key)
+    if isinstance(fn, type) or not callable(fn):
+        what = f"the class {fn.__name__}" if isinstance(fn, type) else f"a {type(fn).__name__}"
+        noun = group.removesuffix("es") if group == "losses" else group.removesuffix("s")
+        raise _error(key, ref, f"is {what}; a {noun} is a function or an object with __call__")
+    model = getattr(fn, "Params", None)
+    if model is None:
+        return fn, dict(params)
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        raise _error(key, ref, "its Params is not a pydantic model")
+    try:
+        return fn, model.model_validate(params)
+    except ValidationError as e:
+        raise ConfigError(f"config error: {format_validation_error(e, prefix=tuple(params_key))}") from None
 
 
 def _entry_points(group: str) -> dict[str, Any]:

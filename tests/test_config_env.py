@@ -15,7 +15,7 @@ def test_env_overrides_nest_by_double_underscore_and_read_yaml():
         "SLUICE__LEARNER__LR": "1e-5",
         "SLUICE__WEIGHT_SYNC__MASTER_PORT": "29500",
         "SLUICE__BUFFER__ENDPOINTS": '["tcp://buffer-0:5555"]',
-        "SLUICE__learner__loss__IS_CAP": "3",
+        "SLUICE__workflow__learner__1__loss__IS_CAP": "3",
         "SLUICE_LOG_LEVEL": "DEBUG",  # one underscore: not an override
         "PATH": "/usr/bin",
     }
@@ -23,12 +23,12 @@ def test_env_overrides_nest_by_double_underscore_and_read_yaml():
     assert cfg.learner.lr == 1e-5
     assert cfg.weight_sync.master_port == 29500
     assert cfg.buffer.endpoints == ["tcp://buffer-0:5555"]
-    assert cfg.learner.loss.is_cap == 3.0
+    assert cfg.workflow is not None and cfg.workflow.learner[1].loss.is_cap == 3.0
     assert [p for p, _, _ in env_overrides(env)] == [
         ["buffer", "endpoints"],
         ["learner", "lr"],
         ["weight_sync", "master_port"],
-        ["learner", "loss", "is_cap"],
+        ["workflow", "learner", "1", "loss", "is_cap"],
     ]
 
 

@@ -70,7 +70,8 @@ def test_an_installed_plugin_package_is_found_by_entry_points_and_trains(tmp_pat
         [
             sys.executable, "-m", "sluice.cli", "run", str(ROOT / "configs" / "quickstart.yaml"),
             f"run.dir={run_dir}", "rollout.engine=hf", "--no-progress",
-            "task.name=first_digit", REWARDS_BY_NAME, "learner.loss={type: reinforce, params: {scale: 1.0}}",
+            "task.name=first_digit", REWARDS_BY_NAME,
+            "workflow.learner.1.loss={type: reinforce, params: {scale: 1.0}}",  # the quickstart's grpo.yaml
             "learner.total_steps=100", "task.eval.every=25", "task.eval.prompts=16",
         ],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,

@@ -234,15 +234,19 @@ def test_checkpoint_restores_model_optimizer_and_state_and_exports(tmp_path, kin
 
 
 @pytest.mark.parametrize(
-    ("loss", "llm"),
+    "overrides",
     [
-        ({"type": "grpo"}, {"aggregation": "sequence"}),
-        ({"type": "ppo"}, {}),
-        ({"type": "decoupled_ppo"}, {"kl_coef": 0.1}),
+        ["learner.loss.type=grpo", "learner.llm.aggregation=sequence"],
+        ["learner.loss.type=ppo"],
+        ["learner.loss.type=decoupled_ppo", "learner.llm.kl_coef=0.1"],
+        ["workflow=gspo"],
+        ["workflow=rloo"],
+        ["workflow=reinforce_pp"],
+        ["workflow=dr_grpo"],
     ],
 )
-def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss, llm):
-    from sluice.config import LLMObjectiveConfig, parse_loss
+def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, overrides):
+    from sluice.config.workflow_check import effective_workflow
     from sluice.learner.losses.aggregate import Denominator
     from sluice.learner.objectives.token import TokenObjective
     from sluice.modeling import load_policy
@@ -256,6 +260,7 @@ def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss, llm
             "model.init.intermediate_size=32",
             "model.init.num_layers=1",
             "model.init.head_dim=8",
+            *overrides,
         ],
     )
     model_dir = materialize_policy_dir(cfg)
@@ -263,14 +268,9 @@ def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss, llm
     with torch.no_grad():
         for p in model.parameters():  # make pi differ from the reference (the saved initial weights)
             p.add_(0.05 * torch.randn_like(p))
+    stages = effective_workflow(cfg).learner
     obj = TokenObjective(
-        parse_loss(loss),
-        tok.pad_token_id,
-        tok.bos_token_id,
-        SamplingTransform(),
-        torch.device("cpu"),
-        model_dir,
-        llm=LLMObjectiveConfig(**llm),
+        stages, tok.pad_token_id, tok.bos_token_id, SamplingTransform(), torch.device("cpu"), model_dir
     )
     trajs = [traj(i, f"g{i // 3}", n) for i, n in enumerate([1, 4, 2, 6, 3, 1])]
     for t in trajs:
@@ -280,8 +280,9 @@ def test_token_objective_micro_batches_sum_to_the_whole_loss(tmp_path, loss, llm
     assert (tokens, seqs) == (17, 6)
     denom = Denominator(tokens, seqs)
     whole, stats = obj.loss(model, piece, denom)
+    assert whole.requires_grad and torch.isfinite(whole)
     parts = obj.micro(piece, 4)
     assert sum(obj.counts(p)[0] for p in parts) == 17
     assert torch.allclose(sum(obj.loss(model, p, denom)[0] for p in parts), whole, atol=1e-6)
-    if llm.get("kl_coef"):
+    if any(s.stage == "kl_penalty" for s in stages):
         assert stats["kl_ref"] > 0

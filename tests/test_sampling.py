@@ -137,14 +137,14 @@ def test_sim_engine_ends_at_stop_tokens_and_stop_strings():
     assert reasons["stop_string"] > 0 and reasons["stop_token"] > 0, reasons
 
 
-@pytest.mark.parametrize("loss", ["grpo", "ppo", "decoupled_ppo"])
-def test_a_token_the_current_filters_drop_gives_finite_loss_and_gradients(tmp_path, loss):
+@pytest.mark.parametrize("workflow", ["grpo", "dapo", "decoupled_ppo", "gspo"])
+def test_a_token_the_current_filters_drop_gives_finite_loss_and_gradients(tmp_path, workflow):
     """Off-policy: top_k=1 keeps only the current argmax, and the completions hold other
     tokens. Their exact filtered log-prob is -inf; the learner's (target kept) is finite, so
-    are the loss, its statistics, the gradients and decoupled PPO's proximal log-probs."""
+    are the loss, its statistics, the gradients and the proximal log-probs (decoupled PPO, GSPO)."""
     from sluice.learner.trainer import build_objective
 
-    knobs = ["rollout.temperature=0.7", "rollout.top_k=1", f"learner.loss.type={loss}"]
+    knobs = ["rollout.temperature=0.7", "rollout.top_k=1", f"workflow={workflow}"]
     cfg = load_config(None, [f"run.dir={tmp_path}", *knobs])
     model, tok, batch = _perturbed_policy_and_batch(tmp_path, cfg)
     exact = sampling_logprobs(_logits(model, batch), SamplingTransform.of(cfg.rollout))
@@ -152,7 +152,8 @@ def test_a_token_the_current_filters_drop_gives_finite_loss_and_gradients(tmp_pa
     assert torch.isinf(exact[batch.completion_mask]).sum() > 10  # the case is exercised
     obj = build_objective(cfg, model, tok, materialize_model_dir(cfg.model, tmp_path), torch.device("cpu"))
     piece = obj.prepare(model, _trajectories(), DistContext())
-    assert piece.proximal is None or bool(torch.isfinite(piece.proximal).all())
+    proximal = piece.fields.get("proximal_logprobs")
+    assert proximal is None or bool(torch.isfinite(proximal).all())
     value, stats = obj.loss(model, piece, Denominator(*obj.counts(piece)))
     value.backward()
     assert torch.isfinite(value) and all(torch.isfinite(v).all() for v in stats.values()), stats

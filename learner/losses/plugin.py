@@ -10,37 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from sluice.config.errors import ConfigError
-from sluice.config.loader import format_validation_error
 from sluice.config.loss import BUILTIN_LOSSES, CustomLoss, LossConfig
-from sluice.plugins import PluginError, resolve
+from sluice.plugins import PluginError, resolve_function
 
 KEY = "learner.loss.type"
 
 
-def load_custom_loss(cfg: CustomLoss) -> tuple[Callable[..., Any], Any]:
+def load_custom_loss(cfg: CustomLoss, key: str = KEY) -> tuple[Callable[..., Any], Any]:
     """(the loss function `cfg.type` names, its params: `Params`-validated, or the dict).
     Raises a one-line `ConfigError` naming the key."""
-    fn = resolve(cfg.type, "losses", KEY, dict.fromkeys(BUILTIN_LOSSES))
-    if isinstance(fn, type) or not callable(fn):
-        what = f"the class {fn.__name__}" if isinstance(fn, type) else f"a {type(fn).__name__}"
-        raise PluginError(
-            f"config error: {KEY}: {cfg.type!r} is {what}; a loss is a function or an object "
-            "with __call__(inputs, params)"
-        )
-    model = getattr(fn, "Params", None)
-    if model is None:
-        return fn, dict(cfg.params)
-    if not (isinstance(model, type) and issubclass(model, BaseModel)):
-        raise PluginError(f"config error: {KEY}: {cfg.type!r}: its Params is not a pydantic model")
-    try:
-        return fn, model.model_validate(cfg.params)
-    except ValidationError as e:
-        raise ConfigError(
-            f"config error: {format_validation_error(e, prefix=('learner', 'loss', 'params'))}"
-        ) from None
+    if cfg.type in BUILTIN_LOSSES:
+        raise PluginError(f"config error: {key}: {cfg.type!r} is a built-in loss, not a reference")
+    params_key = (*key.split(".")[:-1], "params")
+    return resolve_function(cfg.type, "losses", key, cfg.params, params_key)
 
 
 def check_loss(loss: LossConfig) -> None:

@@ -2,8 +2,8 @@
 or a user's by reference (docs/architecture.md, "Objectives and losses"; the interface, inputs
 and output, is in learner/losses/base.py).
 
-Each built-in entry adapts a loss module's tensor function (grpo.py, ppo.py, decoupled.py) to
-the one interface and takes its own config model as params. The classic-RL objective uses the
+Each built-in entry adapts a loss module's tensor function (grpo.py, ppo.py, decoupled.py,
+gspo.py) to the one interface and takes its own config model as params. The classic-RL objective uses the
 ppo and decoupled_ppo entries too, with its steps as the tokens of one row.
 """
 
@@ -13,10 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from sluice.config.errors import ConfigError
-from sluice.config.loss import CustomLoss, DecoupledPPOLoss, GrpoLoss, LossConfig, PPOLoss
+from sluice.config.loss import CustomLoss, DecoupledPPOLoss, GrpoLoss, GspoLoss, LossConfig, PPOLoss
 from sluice.learner.losses.base import LossOutput, TokenLossInputs
 from sluice.learner.losses.decoupled import decoupled_ppo_loss
 from sluice.learner.losses.grpo import grpo_loss
+from sluice.learner.losses.gspo import gspo_loss
 from sluice.learner.losses.plugin import KEY, load_custom_loss
 from sluice.learner.losses.ppo import clipped_surrogate
 
@@ -57,7 +58,20 @@ def decoupled_ppo(x: TokenLossInputs, p: DecoupledPPOLoss) -> LossOutput:
     )
 
 
-TOKEN_LOSSES: dict[str, TokenLoss] = {"grpo": grpo, "ppo": ppo, "decoupled_ppo": decoupled_ppo}
+def gspo(x: TokenLossInputs, p: GspoLoss) -> LossOutput:
+    """Sequence-level by definition: `aggregation` does not apply. pi_old is the proximal
+    policy when the workflow computes it (`recompute_proximal`), else mu."""
+    old = x.proximal_logprobs if p.recompute_proximal else x.behaviour_logprobs
+    assert old is not None, "gspo with recompute_proximal needs a proximal_logprobs stage"
+    return gspo_loss(x.logprobs, old, x.advantages, x.mask, p.clip_low, p.clip_high, x.denom)
+
+
+TOKEN_LOSSES: dict[str, TokenLoss] = {
+    "grpo": grpo,
+    "ppo": ppo,
+    "decoupled_ppo": decoupled_ppo,
+    "gspo": gspo,
+}
 
 
 def token_loss(cfg: LossConfig) -> tuple[TokenLoss, Any]:

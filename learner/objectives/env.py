@@ -35,6 +35,7 @@ from sluice.learner.losses.ppo import gae, value_loss
 from sluice.learner.losses.registry import TOKEN_LOSSES
 from sluice.learner.losses.vtrace import vtrace_loss, vtrace_targets
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
+from sluice.learner.stages.advantages import batch_whitened
 from sluice.trajectory import Trajectory
 
 
@@ -150,7 +151,7 @@ class EnvObjective(Objective):
             _, values, next_values, logp = evaluate(module, seg)
             adv, ret = gae(seg.rewards, values, next_values, seg.terminated, seg.ended, c.gamma, c.gae_lambda)
             if c.normalize_advantages:
-                adv = self._whiten(adv, 0 if empty else adv.numel(), dist)
+                adv = batch_whitened(adv, 0 if empty else adv.numel(), dist, eps=1e-8)
         proximal = logp if needs_proximal(self.cfg) else seg.behaviour_logprobs
         steps = Steps(
             obs=seg.obs[:, :-1].reshape(-1, self.obs_dim),
@@ -162,14 +163,6 @@ class EnvObjective(Objective):
             old_values=values.reshape(-1),
         )
         return (steps, empty)
-
-    def _whiten(self, adv: torch.Tensor, n: int, dist: DistContext) -> torch.Tensor:
-        """Zero mean, unit std over the whole learner batch (every rank's steps)."""
-        flat = adv.reshape(-1).double() if n else adv.new_zeros(0).double()
-        sums = dist.all_reduce(torch.stack([flat.sum(), (flat**2).sum(), torch.tensor(float(n))]).cpu())
-        mean = sums[0] / sums[2].clamp(min=1)
-        std = (sums[1] / sums[2].clamp(min=1) - mean**2).clamp(min=0).sqrt()
-        return ((adv - mean) / (std + 1e-8)).to(adv.dtype)
 
     # -- pieces --------------------------------------------------------------------------------
 

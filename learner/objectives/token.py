@@ -1,12 +1,11 @@
-"""The LLM objective: GRPO, PPO, decoupled PPO or a user's loss on token sequences, optional
-KL to the initial weights.
+"""The LLM objective: runs a workflow's learner stages (sluice/config/workflow.py) on token
+sequences.
 
-Advantages are group-normalised rewards (GRPO) computed on the rank, which holds whole
-groups. The proximal log-probs of decoupled PPO are the learner's own log-probs before the
-batch's first update (`recompute_proximal`), else the behaviour log-probs. The reference
-policy of the KL penalty is the run's initial model, kept frozen on every rank. The loss is
-called through the table of learner/losses/registry.py with the inputs of
-learner/losses/base.py, whichever loss `learner.loss.type` names.
+`prepare` collates a rank's trajectories (whole groups) into fields and runs the prepare
+stages without gradient (proximal and reference log-probs, advantages); `loss` computes the
+policy's log-probs of a micro-batch and sums the loss stages' terms (policy loss, KL, a
+user's). The stages and the fields they read and write are in learner/stages/; the reference
+policy is the run's initial model, kept frozen, loaded only when a stage reads it.
 """
 
 from __future__ import annotations
@@ -14,29 +13,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from sluice.config.loss import LLMObjectiveConfig, LossConfig, needs_proximal
 from sluice.learner.balance import balance
 from sluice.learner.batch import TokenBatch, collate, token_logprobs
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
-from sluice.learner.losses.base import TokenLossInputs
-from sluice.learner.losses.grpo import group_advantages, group_indices
-from sluice.learner.losses.kl import kl_penalty
-from sluice.learner.losses.registry import token_loss
+from sluice.learner.losses.grpo import group_indices
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
+from sluice.learner.stages.base import Fields, LossContext, PrepareContext
+from sluice.learner.stages.builtin import build_stages, needs_reference
 from sluice.modeling.sampling import SamplingTransform
 from sluice.trajectory import Trajectory
 
 
 @dataclass
 class TokenPiece:
-    batch: TokenBatch
-    advantages: torch.Tensor  # [B]
-    proximal: torch.Tensor | None  # [B, L-1] log pi_prox(target), when the loss asks for it
-    reference: torch.Tensor | None  # [B, L-1] log pi_ref(target), KL penalty only
+    batch: TokenBatch  # input ids, masks and targets for the policy's forward
+    fields: Fields  # per sequence [B] or per target [B, L-1] (learner/stages/base.py)
     empty: bool = False  # a dummy row standing in for no data (zero weight)
 
 
@@ -45,25 +41,22 @@ class TokenObjective(Objective[TokenPiece]):
 
     def __init__(
         self,
-        loss: LossConfig,
+        stages: Sequence[Any],
         pad_id: int,
         bos_id: int,
         sampling: SamplingTransform,
         device: torch.device,
         reference_dir: Path | None = None,
         dtype: str = "float32",
-        *,
-        llm: LLMObjectiveConfig,
     ) -> None:
-        self.cfg = loss
-        self.llm = llm
-        self.loss_fn, self.loss_params = token_loss(loss)
+        """`stages`: `workflow.learner` (sluice.config.workflow_check.effective_workflow)."""
+        self.prepare_stages, self.loss_stages = build_stages(stages)
         self.pad_id = pad_id
         self.bos_id = bos_id
         self.sampling = sampling
         self.device = device
         self.reference = None
-        if llm.kl_coef > 0:
+        if needs_reference(stages):
             from sluice.modeling import load_policy
 
             assert reference_dir is not None
@@ -91,27 +84,28 @@ class TokenObjective(Objective[TokenPiece]):
 
     def prepare(self, module, trajs: Sequence[Trajectory], dist: DistContext) -> TokenPiece:
         empty = not trajs
-        batch = collate(list(trajs) or [self._dummy()], self.pad_id)
-        batch = _to(batch, self.device)
+        batch = _to(collate(list(trajs) or [self._dummy()], self.pad_id), self.device)
         if empty:
             batch.completion_mask = torch.zeros_like(batch.completion_mask)
-        adv = group_advantages(
-            batch.rewards.cpu(), group_indices(batch.group_ids), self.llm.adv_eps, self.llm.normalize_std
-        ).to(self.device)
-        proximal = reference = None
+        data: Fields = {
+            "behaviour_logprobs": batch.behaviour_logprobs,
+            "mask": batch.completion_mask,
+            "rewards": batch.rewards,
+            "group_index": group_indices(batch.group_ids).to(self.device),
+            "versions": batch.versions,
+        }
+        ctx = PrepareContext(module, self.reference, batch, self.sampling, dist, empty)
         with torch.no_grad():
-            if needs_proximal(self.cfg):
-                proximal = token_logprobs(module, batch, self.sampling)
-            if self.reference is not None:
-                reference = token_logprobs(self.reference, batch, self.sampling)
-        return TokenPiece(batch, adv, proximal, reference, empty)
+            for stage in self.prepare_stages:
+                data.update(stage.run(data, ctx))
+        return TokenPiece(batch, data, empty)
 
     # -- pieces --------------------------------------------------------------------------------
 
     def split(self, piece: TokenPiece, n: int, generator: torch.Generator) -> list[TokenPiece]:
         if n == 1:
             return [piece]
-        return [self._take(piece, ix) for ix in rows(len(piece.advantages), n, generator)]
+        return [self._take(piece, ix) for ix in rows(len(piece.batch.group_ids), n, generator)]
 
     def micro(self, piece: TokenPiece, m: int) -> list[TokenPiece]:
         if m == 1:
@@ -120,59 +114,55 @@ class TokenObjective(Objective[TokenPiece]):
         return [self._take(piece, torch.tensor(ix, dtype=torch.long)) for ix in balance(lengths, m)]
 
     def _take(self, piece: TokenPiece, index: torch.Tensor) -> TokenPiece:
+        """Rows `index` of every tensor, cut to the widest of those rows (columns that are
+        padding in every row are dropped)."""
         if piece.empty or len(index) == 0:
-            return self.prepare_dummy()
+            return self._dummy_piece(piece.fields)
         batch = TokenBatch(
             **{f.name: take_rows(getattr(piece.batch, f.name), index) for f in fields(TokenBatch)}
         )
-        width = int(batch.attention_mask.sum(-1).max())  # drop columns that are padding in every row
-        trim = {
-            "input_ids": width,
-            "attention_mask": width,
-            "targets": width - 1,
-            "completion_mask": width - 1,
-            "behaviour_logprobs": width - 1,
-        }
+        width = int(batch.attention_mask.sum(-1).max())
+        trim = {"input_ids": width, "attention_mask": width, "targets": width - 1}
         batch = replace(batch, **{k: getattr(batch, k)[:, :w] for k, w in trim.items()})
+        batch = replace(batch, completion_mask=batch.completion_mask[:, : width - 1])
+        batch = replace(batch, behaviour_logprobs=batch.behaviour_logprobs[:, : width - 1])
+        data = {k: v[index][:, : width - 1] if v.dim() == 2 else v[index] for k, v in piece.fields.items()}
+        return TokenPiece(batch, data)
 
-        def cut(x):
-            return None if x is None else x[index][:, : width - 1]
-
-        return TokenPiece(batch, piece.advantages[index], cut(piece.proximal), cut(piece.reference))
-
-    def prepare_dummy(self) -> TokenPiece:
-        """A one-row piece with nothing to learn from (its loss is multiplied by 0)."""
+    def _dummy_piece(self, like: Fields) -> TokenPiece:
+        """A one-row piece with nothing to learn from (its loss is multiplied by 0), with zeros
+        for each of `like`'s fields, so every loss stage runs the same ops on every rank."""
         batch = _to(collate([self._dummy()], self.pad_id), self.device)
         batch.completion_mask = torch.zeros_like(batch.completion_mask)
-        zeros = torch.zeros_like(batch.behaviour_logprobs)
-        return TokenPiece(batch, torch.zeros(1, device=self.device), zeros, zeros, empty=True)
+        row = batch.behaviour_logprobs
+        data = {
+            k: torch.zeros((1, row.shape[1]) if v.dim() == 2 else (1,), dtype=v.dtype, device=v.device)
+            for k, v in like.items()
+        }
+        data["mask"] = batch.completion_mask
+        return TokenPiece(batch, data, empty=True)
 
     def counts(self, piece: TokenPiece) -> tuple[float, float]:
         if piece.empty:
             return 0.0, 0.0
-        return float(piece.batch.completion_mask.sum()), float(len(piece.advantages))
+        return float(piece.fields["mask"].sum()), float(len(piece.batch.group_ids))
 
     # -- loss ----------------------------------------------------------------------------------
 
     def loss(self, module, piece: TokenPiece, denom: Denominator) -> tuple[torch.Tensor, Stats]:
-        llm, b = self.llm, piece.batch
-        logp = token_logprobs(module, b, self.sampling)
-        mask = b.completion_mask
-        x = TokenLossInputs(
-            logp, b.behaviour_logprobs, piece.proximal, piece.advantages, mask, llm.aggregation, denom
-        )
-        out = self.loss_fn(x, self.loss_params)
-        loss = out.loss
-        stats: Stats = dict(out.metrics)
-        stats["policy_loss"] = loss.detach()
-        if piece.reference is not None and llm.kl_coef > 0:
-            kl = kl_penalty(logp, piece.reference, mask, llm.kl_estimator, llm.aggregation, denom)
-            loss = loss + llm.kl_coef * kl
-            stats["kl_ref"] = kl.detach()
+        data = {**piece.fields, "logprobs": token_logprobs(module, piece.batch, self.sampling)}
+        ctx = LossContext(denom)
+        total = torch.zeros((), device=data["logprobs"].device)
+        stats: Stats = {}
+        for stage in self.loss_stages:
+            out = stage.run(data, ctx)
+            total = total + stage.coef * out.loss
+            stats.update(out.metrics)
+            stats[stage.name] = out.loss.detach()
         if piece.empty:
-            loss = loss * 0.0
+            total = total * 0.0
             stats = {k: torch.zeros_like(v) for k, v in stats.items()}
-        return loss, stats
+        return total, stats
 
     def max_stats(self) -> tuple[str, ...]:
         return ("is_weight_max",)

@@ -23,7 +23,9 @@ import yaml
 from pydantic import ValidationError
 
 from sluice.config.errors import ConfigError as ConfigError  # raised by loading; re-exported
+from sluice.config.errors import format_validation_error as format_validation_error  # re-exported
 from sluice.config.run import RunConfig
+from sluice.config.workflow_check import read_workflow_source
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -64,57 +66,35 @@ def env_overrides(env: Mapping[str, str]) -> list[tuple[list[str], Any, str]]:
 
 
 def apply_override(tree: dict[str, Any], path: Sequence[str], value: Any, label: str | None = None) -> None:
-    node = tree
+    """Set `path` in `tree`; a numeric part indexes a list (`workflow.learner.1.loss.clip_high`).
+    A workflow given by name or file is read first when a key inside it is overridden."""
+    where = label or f"override {'.'.join(path)}"
+    if len(path) > 1 and path[0] == "workflow" and isinstance(tree.get("workflow"), str):
+        tree["workflow"] = _read_workflow(tree["workflow"], where)
+    node: Any = tree
     for i, part in enumerate(path[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            where = label or f"override {'.'.join(path)}"
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            node = None
+        if not isinstance(node, dict | list):
             raise ConfigError(f"{where}: {'.'.join(path[: i + 1])} is not a section")
-        node = child
-    node[path[-1]] = value
+    if isinstance(node, list):
+        last = path[-1]
+        if not (last.isdigit() and int(last) < len(node)):
+            raise ConfigError(f"{where}: {last!r} is not an index of the list")
+        node[int(last)] = value
+    else:
+        node[path[-1]] = value
 
 
-def format_validation_error(
-    err: ValidationError, sources: Mapping[str, str] | None = None, prefix: Sequence[str] = ()
-) -> str:
-    """One line per problem: `learner.loss.clip_high: unknown key for learner.loss.type=grpo`.
-    `sources` maps a dotted key to where its value came from (an environment variable);
-    `prefix` is the key of the section `err` is about (a plugin's own params)."""
-    lines = []
-    for e in err.errors():
-        where, tag = _key([*prefix, *e["loc"]])
-        source = _source_of(where, sources or {})
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key{f' for {tag}' if tag else ''}{source}")
-            continue
-        got = e.get("input")
-        got_text = "" if isinstance(got, dict) else f" (got {got!r})"
-        msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{where + ': ' if where else ''}{msg}{got_text}{source}")
-    return "; ".join(lines)
-
-
-def _key(loc: Sequence[str | int]) -> tuple[str, str | None]:
-    """(dotted key, tag) of an error location. A part such as `type=grpo` is the tag of a
-    tagged union (sluice/config/loss.py), not a key: it says which member the key is in, and
-    is given with the key above it (`learner.loss.type=grpo`)."""
-    parts = [str(p) for p in loc]
-    keys = [p for p in parts if "=" not in p]
-    tags = [i for i, p in enumerate(parts) if "=" in p]
-    if not tags:
-        return ".".join(keys), None
-    above = [p for p in parts[: tags[-1]] if "=" not in p]
-    return ".".join(keys), ".".join([*above, parts[tags[-1]]])
-
-
-def _source_of(where: str, sources: Mapping[str, str]) -> str:
-    """The variable that set `where` or a section above it, as ` [from NAME]`."""
-    parts = where.split(".")
-    for n in range(len(parts), 0, -1):
-        name = sources.get(".".join(parts[:n]))
-        if name is not None:
-            return f" [from {name}]"
-    return ""
+def _read_workflow(value: str, where: str) -> Any:
+    try:
+        return read_workflow_source(value)
+    except ValueError as e:
+        raise ConfigError(f"{where}: workflow: {e}") from None
 
 
 def config_from_dict(tree: dict[str, Any], sources: Mapping[str, str] | None = None) -> RunConfig:

@@ -21,7 +21,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter, field_validator
 from sluice.config.base import Section
 from sluice.plugins import PluginRef, is_reference
 
-BUILTIN_LOSSES = ("grpo", "ppo", "decoupled_ppo", "vtrace")
+BUILTIN_LOSSES = ("grpo", "ppo", "decoupled_ppo", "gspo", "vtrace")
 CUSTOM_TAG = "type=<reference>"
 
 
@@ -58,6 +58,20 @@ class DecoupledPPOLoss(Section):
     recompute_proximal: bool = True
     """Compute the proximal policy's log-probs with the learner's weights before the batch's
     updates. False: the proximal policy is the behaviour policy (weights are 1)."""
+
+
+class GspoLoss(Section):
+    """GSPO (Zheng et al. 2025): PPO's clipped surrogate on the sequence-level ratio, the
+    geometric mean over a completion's tokens of pi / pi_old (LLM only)."""
+
+    type: Literal["gspo"] = "gspo"
+    clip_low: float = Field(default=3e-4, ge=0, lt=1)
+    """Sequence ratio clip below: 1 - clip_low (the paper's 3e-4)."""
+    clip_high: float = Field(default=4e-4, ge=0)
+    """Sequence ratio clip above: 1 + clip_high (the paper's 4e-4)."""
+    recompute_proximal: bool = False
+    """pi_old is the learner's weights before the batch's updates (needs a proximal_logprobs
+    stage); False: the behaviour policy that sampled the completion."""
 
 
 class VTraceLoss(Section):
@@ -110,6 +124,7 @@ LossConfig = Annotated[
     Annotated[GrpoLoss, Tag("type=grpo")]
     | Annotated[PPOLoss, Tag("type=ppo")]
     | Annotated[DecoupledPPOLoss, Tag("type=decoupled_ppo")]
+    | Annotated[GspoLoss, Tag("type=gspo")]
     | Annotated[VTraceLoss, Tag("type=vtrace")]
     | Annotated[CustomLoss, Tag(CUSTOM_TAG)],
     Discriminator(_loss_tag),
@@ -126,7 +141,7 @@ def parse_loss(data: dict[str, Any]) -> LossConfig:
 
 def needs_proximal(loss: LossConfig) -> bool:
     """Whether the objective computes the proximal policy's log-probs before the updates."""
-    return isinstance(loss, DecoupledPPOLoss | CustomLoss) and loss.recompute_proximal
+    return isinstance(loss, DecoupledPPOLoss | GspoLoss | CustomLoss) and loss.recompute_proximal
 
 
 class LLMObjectiveConfig(Section):
@@ -181,8 +196,10 @@ def check_objective(
         if isinstance(loss, VTraceLoss):
             raise ValueError("learner.loss.type=vtrace is for classic RL: it needs rollout.kind=env")
         problems = [f"learner.classic.{k}: a classic-RL setting (rollout.kind=env)" for k in changed(classic)]
-    elif isinstance(loss, GrpoLoss | CustomLoss):
-        what = "grpo is" if isinstance(loss, GrpoLoss) else f"{loss.type!r} is a custom loss,"
+    elif isinstance(loss, GrpoLoss | GspoLoss | CustomLoss):
+        what = (
+            f"{loss.type} is" if isinstance(loss, GrpoLoss | GspoLoss) else f"{loss.type!r} is a custom loss,"
+        )
         raise ValueError(
             f"learner.loss.type: {what} for LLM tokens (rollout.kind=llm); classic RL "
             "(rollout.kind=env) takes ppo, decoupled_ppo or vtrace"

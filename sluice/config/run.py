@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sluice.config.base import Section
 from sluice.config.buffer import BufferConfig
@@ -18,6 +18,8 @@ from sluice.config.rollout import RolloutConfig
 from sluice.config.security import SecurityConfig
 from sluice.config.task import TaskConfig
 from sluice.config.weight_sync import WeightSyncConfig
+from sluice.config.workflow import WorkflowConfig
+from sluice.config.workflow_check import check_no_legacy_knobs, check_workflow, read_workflow_source
 
 
 class RunSection(Section):
@@ -57,6 +59,14 @@ class RunConfig(Section):
     metrics: MetricsConfig = MetricsConfig()
     security: SecurityConfig = SecurityConfig()
     ray: RayConfig = RayConfig()
+    workflow: WorkflowConfig | None = None
+    """The algorithm as stages (docs/workflows.md): a shipped name (configs/algorithms/<name>.yaml),
+    a workflow file's path, or the mapping. None: the workflow learner.loss/llm/classic mean."""
+
+    @field_validator("workflow", mode="before")
+    @classmethod
+    def _read_workflow(cls, value: object) -> object:
+        return read_workflow_source(value)
 
     @model_validator(mode="after")
     def _check_kinds(self) -> RunConfig:
@@ -66,7 +76,11 @@ class RunConfig(Section):
                 f"rollout.kind={self.rollout.kind} needs model.kind={want} (got {self.model.kind})"
             )
         lc = self.learner
-        check_objective(self.rollout.kind, lc.loss, lc.llm, lc.classic)
+        if self.workflow is None:
+            check_objective(self.rollout.kind, lc.loss, lc.llm, lc.classic)
+        else:
+            check_no_legacy_knobs(self)
+            check_workflow(self.workflow, self.rollout.kind)
         held = (self.learner.checkpoint_every + 1) * self.learner.batch_size * len(self.learner.policies)
         if self.learner.checkpoint_every and held > self.buffer.capacity * self.buffer.shards:
             raise ValueError(

@@ -192,24 +192,9 @@ class LocalLauncher:
                     progress.update(
                         task, completed=tail.last.get("version", 0), info=_progress_info(tail.last)
                     )
-                learners = [c for c in self.children if c.is_learner]
-                failed = [c for c in learners if c.proc.poll() not in (None, 0)]
-                failed = [c for c in failed if not self._restart_learner_group(c, run_log)]
-                if failed:
-                    for c in failed:
-                        self._report_death(c, c.proc.returncode)
-                    code = EXIT_FAILED
-                    break
-                if all(c.proc.poll() == 0 for c in learners):
-                    code = EXIT_OK
-                    break
-                dead = [c for c in self.children if c.proc.poll() is not None and not c.is_learner]
-                unexpected = [c for c in dead if not (c.spec.exits_with_run and c.proc.returncode == 0)]
-                unexpected = [c for c in unexpected if not self._restart(c, run_log)]
-                if unexpected:
-                    for c in unexpected:
-                        self._report_death(c, c.proc.returncode)
-                    code = EXIT_FAILED
+                decided = self._poll_children(run_log)
+                if decided is not None:
+                    code = decided
                     break
                 time.sleep(0.25)
             tail.poll()
@@ -217,6 +202,22 @@ class LocalLauncher:
                 progress.update(task, completed=tail.last.get("version", 0), info=_progress_info(tail.last))
         run_log.close()
         return code
+
+    def _poll_children(self, run_log: JsonlLog) -> int | None:
+        """The run's exit code once it is decided (every learner done, or a role dead that is not
+        restarted), else None. Learner groups and rollout services are restarted here."""
+        learners = [c for c in self.children if c.is_learner]
+        failed = [c for c in learners if c.proc.poll() not in (None, 0)]
+        failed = [c for c in failed if not self._restart_learner_group(c, run_log)]
+        if not failed and all(c.proc.poll() == 0 for c in learners):
+            return EXIT_OK
+        if not failed:
+            dead = [c for c in self.children if c.proc.poll() is not None and not c.is_learner]
+            failed = [c for c in dead if not (c.spec.exits_with_run and c.proc.returncode == 0)]
+            failed = [c for c in failed if not self._restart(c, run_log)]
+        for c in failed:
+            self._report_death(c, c.proc.returncode)
+        return EXIT_FAILED if failed else None
 
     def _restart(self, child: Child, run_log: JsonlLog) -> bool:
         """Start a dead rollout service again (same index, new incarnation). False: not a

@@ -1,0 +1,287 @@
+"""Algorithms as data: the stages of a run's per-batch processing, declared in YAML and checked
+when the config loads (docs/workflows.md).
+
+A workflow lists, in order, the rollout's group filters and the learner's stages (log-probs,
+advantages, loss terms). Each stage declares the trajectory fields it reads and writes, and
+`check_workflow` refuses a stage that reads a field no earlier stage writes, naming both. The
+staleness bound, leases and acks are not stages: no workflow can reach them.
+
+`workflow:` in a run config is a shipped name (`grpo`: configs/algorithms/grpo.yaml), a YAML
+file's path or the mapping itself; without it, `effective_workflow` builds the equivalent
+workflow from `learner.loss`, `learner.llm`, `learner.classic` and
+`rollout.drop_zero_variance_groups`, so the learner and the rollout read one thing.
+
+Torch-free, like every config module: every role validates the config. The learner's
+implementations of the stages are in learner/stages/.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator
+
+from sluice.config.base import Section
+from sluice.config.loss import (
+    ClassicObjectiveConfig,
+    GrpoLoss,
+    LossConfig,
+    PPOLoss,
+    needs_proximal,
+)
+from sluice.plugins import PluginRef, is_reference
+
+Phase = Literal["prepare", "loss"]
+Aggregation = Literal["token", "sequence"]
+
+LLM_BATCH_FIELDS = ("behaviour_logprobs", "mask", "rewards", "group_index", "versions")
+"""What an LLM learner batch starts with (shapes in learner/stages/base.py)."""
+ENV_BATCH_FIELDS = ("obs", "actions", "behaviour_logprobs", "rewards", "terminated", "ended")
+"""What a classic-RL learner batch starts with (whole segments)."""
+LOSS_PHASE_FIELDS = ("logprobs",)
+"""Added for loss stages: the policy's log-probs of the targets, with gradient."""
+ALGORITHMS_DIR = Path(__file__).resolve().parent.parent / "algorithms"
+"""The shipped workflows: sluice/algorithms is a link to configs/algorithms."""
+
+
+class _Stage(Section):
+    phase: ClassVar[Phase] = "prepare"
+    metric: ClassVar[str] = ""  # a loss stage's term is logged under this name
+
+    def reads(self) -> tuple[str, ...]:
+        return ()
+
+    def writes(self) -> tuple[str, ...]:
+        return ()
+
+
+class ProximalLogprobs(_Stage):
+    """log pi_prox of the targets: the learner's weights before this batch's first update."""
+
+    stage: Literal["proximal_logprobs"] = "proximal_logprobs"
+
+    def writes(self) -> tuple[str, ...]:
+        return ("proximal_logprobs",)
+
+
+class ReferenceLogprobs(_Stage):
+    """log pi_ref of the targets under the run's initial weights, kept frozen on every rank."""
+
+    stage: Literal["reference_logprobs"] = "reference_logprobs"
+
+    def writes(self) -> tuple[str, ...]:
+        return ("ref_logprobs",)
+
+
+class GroupAdvantages(_Stage):
+    """GRPO: (r - group mean) / (group std + eps); Dr.GRPO without the std."""
+
+    stage: Literal["group_advantages"] = "group_advantages"
+    normalize_std: bool = True
+    """Divide by the group's reward std (GRPO); false: centred rewards only (Dr.GRPO)."""
+    eps: float = Field(default=1e-4, gt=0)
+    """Added to the std before dividing."""
+
+    def reads(self) -> tuple[str, ...]:
+        return ("rewards", "group_index")
+
+    def writes(self) -> tuple[str, ...]:
+        return ("advantages",)
+
+
+class RlooAdvantages(_Stage):
+    """RLOO: each sample's reward minus the mean reward of the other samples of its group."""
+
+    stage: Literal["rloo_advantages"] = "rloo_advantages"
+
+    def reads(self) -> tuple[str, ...]:
+        return ("rewards", "group_index")
+
+    def writes(self) -> tuple[str, ...]:
+        return ("advantages",)
+
+
+class BatchAdvantages(_Stage):
+    """REINFORCE++: rewards (less the group mean with `baseline: group_mean`) whitened over the
+    whole learner batch, every rank's samples."""
+
+    stage: Literal["batch_advantages"] = "batch_advantages"
+    baseline: Literal["none", "group_mean"] = "none"
+    """Subtract each group's mean reward first (REINFORCE++-baseline)."""
+    eps: float = Field(default=1e-8, gt=0)
+    """Added to the batch std before dividing."""
+
+    def reads(self) -> tuple[str, ...]:
+        return ("rewards", "group_index") if self.baseline == "group_mean" else ("rewards",)
+
+    def writes(self) -> tuple[str, ...]:
+        return ("advantages",)
+
+
+class PolicyLoss(_Stage):
+    """The policy-gradient term: any token loss of `learner.loss`'s table, or a user's."""
+
+    phase: ClassVar[Phase] = "loss"
+    metric: ClassVar[str] = "policy_loss"
+    stage: Literal["policy_loss"] = "policy_loss"
+    loss: LossConfig = GrpoLoss()
+    """The loss, by `type` (sluice/config/loss.py): grpo, ppo, decoupled_ppo, gspo, or a reference."""
+    aggregation: Aggregation = "token"
+    """token: mean over the batch's tokens; sequence: mean over sequences of their token means."""
+
+    def reads(self) -> tuple[str, ...]:
+        base = ("logprobs", "behaviour_logprobs", "advantages", "mask")
+        return (*base, "proximal_logprobs") if needs_proximal(self.loss) else base
+
+
+class KLPenalty(_Stage):
+    """coef x KL(pi || pi_ref) per token, aggregated like the policy loss."""
+
+    phase: ClassVar[Phase] = "loss"
+    metric: ClassVar[str] = "kl_ref"
+    stage: Literal["kl_penalty"] = "kl_penalty"
+    coef: float = Field(default=1e-3, gt=0)
+    """Weight of the term."""
+    estimator: Literal["k1", "k3"] = "k3"
+    """k1 = log pi - log ref; k3 = ref/pi - log(ref/pi) - 1 (>= 0)."""
+    aggregation: Aggregation = "token"
+    """As the policy loss's."""
+
+    def reads(self) -> tuple[str, ...]:
+        return ("logprobs", "ref_logprobs", "mask")
+
+
+class ActorCritic(_Stage):
+    """Classic RL's whole objective: GAE or V-trace targets from a value head, the loss, the
+    value loss and the entropy bonus (learner/objectives/env.py)."""
+
+    phase: ClassVar[Phase] = "loss"
+    metric: ClassVar[str] = "policy_loss"
+    stage: Literal["actor_critic"] = "actor_critic"
+    loss: LossConfig = PPOLoss()
+    """ppo, decoupled_ppo or vtrace."""
+    classic: ClassicObjectiveConfig = ClassicObjectiveConfig()
+    """Discount, value and entropy weights, GAE (sluice/config/loss.py)."""
+
+    def reads(self) -> tuple[str, ...]:
+        return ENV_BATCH_FIELDS
+
+
+class UserStage(Section):
+    """A user's stage by reference; its contract is declared here, where the workflow is."""
+
+    stage: PluginRef
+    """A name under the `sluice.stages` entry points, `package.module:fn` or `path/file.py:fn`."""
+    phase: Phase
+    """prepare: `fn(fields, ctx, params) -> {field: tensor}`, no gradient, once per batch;
+    loss: `fn(fields, ctx, params) -> LossOutput`, a term added to the loss (docs/workflows.md)."""
+    reads: list[str] = []
+    """Fields the function reads."""
+    writes: list[str] = []
+    """Fields a prepare function returns (exactly these)."""
+    params: dict[str, Any] = {}
+    """Its settings, validated by the function's `Params` model when it has one."""
+    coef: float = 1.0
+    """A loss stage's term is multiplied by this."""
+
+    _named = field_validator("stage")(classmethod(lambda cls, ref: _user_ref(ref, LEARNER_STAGES)))
+
+    @property
+    def metric(self) -> str:
+        return self.stage.rsplit(":", 1)[-1]
+
+    def contract(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return tuple(self.reads), tuple(self.writes)
+
+
+class DropZeroVariance(Section):
+    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantages under
+    group normalisation; it is dropped at the rollout (its quota given back)."""
+
+    stage: Literal["drop_zero_variance"] = "drop_zero_variance"
+    min_spread: float = Field(default=1e-9, ge=0)
+    """A group is kept when max(reward) - min(reward) exceeds this."""
+
+
+class UserGroupFilter(Section):
+    """A user's group filter: `fn(samples, params) -> bool`, True keeps the group."""
+
+    stage: PluginRef
+    """A name under the `sluice.stages` entry points, `package.module:fn` or `path/file.py:fn`."""
+    params: dict[str, Any] = {}
+    """Its settings, validated by the function's `Params` model when it has one."""
+
+    _named = field_validator("stage")(classmethod(lambda cls, ref: _user_ref(ref, ROLLOUT_STAGES)))
+
+
+def _user_ref(ref: str, builtins: dict[str, Any]) -> str:
+    """Syntactic: a reference or a registered name (nothing imported; the pre-flight and the
+    role that runs the stage resolve it)."""
+    if is_reference(ref) or ref in entry_points(group="sluice.stages").names:
+        return ref
+    raise ValueError(
+        f"not a built-in stage ({', '.join(builtins)}), a name registered under the sluice.stages "
+        "entry points, or a reference `package.module:fn` / `path/to/file.py:fn`"
+    )
+
+
+LEARNER_STAGES = {
+    c.model_fields["stage"].default: c
+    for c in (
+        ProximalLogprobs,
+        ReferenceLogprobs,
+        GroupAdvantages,
+        RlooAdvantages,
+        BatchAdvantages,
+        PolicyLoss,
+        KLPenalty,
+        ActorCritic,
+    )
+}
+ROLLOUT_STAGES = {"drop_zero_variance": DropZeroVariance}
+USER_TAG = "stage=<reference>"
+
+
+def _stage_tag(value: Any) -> str:
+    kind = value.get("stage") if isinstance(value, dict) else getattr(value, "stage", None)
+    return f"stage={kind}" if kind in LEARNER_STAGES or kind in ROLLOUT_STAGES else USER_TAG
+
+
+LearnerStage = Annotated[
+    Annotated[ProximalLogprobs, Tag("stage=proximal_logprobs")]
+    | Annotated[ReferenceLogprobs, Tag("stage=reference_logprobs")]
+    | Annotated[GroupAdvantages, Tag("stage=group_advantages")]
+    | Annotated[RlooAdvantages, Tag("stage=rloo_advantages")]
+    | Annotated[BatchAdvantages, Tag("stage=batch_advantages")]
+    | Annotated[PolicyLoss, Tag("stage=policy_loss")]
+    | Annotated[KLPenalty, Tag("stage=kl_penalty")]
+    | Annotated[ActorCritic, Tag("stage=actor_critic")]
+    | Annotated[UserStage, Tag(USER_TAG)],
+    Discriminator(_stage_tag),
+]
+RolloutStage = Annotated[
+    Annotated[DropZeroVariance, Tag("stage=drop_zero_variance")] | Annotated[UserGroupFilter, Tag(USER_TAG)],
+    Discriminator(_stage_tag),
+]
+
+
+class WorkflowConfig(Section):
+    """`workflow`: an algorithm as data (docs/workflows.md)."""
+
+    name: str = "custom"
+    """The algorithm's name (logged with the run)."""
+    description: str = ""
+    """What it is, for a reader of the file."""
+    rollout: list[RolloutStage] = []
+    """Group filters the rollout services apply after scoring, in order."""
+    learner: list[LearnerStage] = Field(min_length=1)
+    """The learner's stages, in order: prepare stages (no gradient), then loss stages."""
+
+
+def contract(stage: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(reads, writes) of a learner stage, built-in or a user's."""
+    if isinstance(stage, UserStage):
+        return stage.contract()
+    return stage.reads(), stage.writes()
