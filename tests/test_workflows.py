@@ -338,3 +338,23 @@ def test_a_user_stage_by_file_reference_runs_and_is_held_to_its_declared_fields(
         run(mine("above_bar", **adv, params={"bar": "x"}), {"stage": "policy_loss"})
     with pytest.raises(TypeError, match=r"returned fields \['advantage'\]; its workflow entry declares"):
         run(mine("wrong_fields", **adv), {"stage": "policy_loss"})
+
+
+def test_the_workflow_benchmark_summary_by_hand(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import workflows as bench
+
+    assert bench.LLM_WORKFLOWS == LLM_WORKFLOWS
+    run = {"rewards": [0.0, 0.2, 0.6, 0.9, 1.0, 1.0], "wall_s": 3.0}
+    s = bench.summarise(run, window=2, threshold=0.8)
+    # moving means of 2: -, 0.1, 0.4, 0.75, 0.95, 1.0 -> first >= 0.8 at step 5
+    assert s == {
+        "start": pytest.approx(0.1),
+        "end": pytest.approx(1.0),
+        "steps_to_threshold": 5,
+        "wall_s": 3.0,
+    }
+    never = bench.summarise({"rewards": [0.1] * 4, "wall_s": 1.0}, window=2, threshold=0.8)
+    assert never["steps_to_threshold"] is None
+    _, rows = bench.table({"grpo": [s], "rloo": [never]}, steps=6)
+    assert rows["grpo"]["steps_vs_grpo"] == 1.0 and rows["rloo"]["steps_vs_grpo"] == pytest.approx(12 / 5)
