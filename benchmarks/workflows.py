@@ -31,7 +31,7 @@ from rich.table import Table
 from sluice.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-LLM_WORKFLOWS = ["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "decoupled_ppo"]
+LLM_WORKFLOWS = ["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "decoupled_ppo", "ppo_critic"]
 
 
 def run_one(workflow: str, seed: int, steps: int, work: Path) -> dict:

@@ -6,6 +6,7 @@ Layout of `<run dir>/checkpoints[-<policy>]/step_<version>/`:
     optimizer.pt, scheduler.pt                         ddp: torch.save of the state dicts
     deepspeed/                                         deepspeed: engine.save_checkpoint (per
                                                        rank optimizer partitions, scheduler)
+    critic.pt                                          an LLM workflow's value model and its optimizer
     rng_rank<r>.pt                                     torch, numpy, python and shuffle RNGs of rank r
     trainer_state.json                                 version, totals, returns window, the
                                                        leases trained since the previous checkpoint
@@ -47,6 +48,7 @@ def save_checkpoint(
             if trainer.tokenizer is not None:
                 trainer.tokenizer.save_pretrained(tmp)
     trainer.backend.save(tmp)
+    trainer.objective.save(tmp)
     torch.save(rng_state(trainer.generator), tmp / f"rng_rank{dist.rank}.pt")
     if dist.is_main:
         (tmp / "trainer_state.json").write_text(json.dumps({"version": version, **(state or {})}))

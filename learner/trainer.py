@@ -48,6 +48,7 @@ def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir
         device,
         reference_dir=model_dir,
         dtype=cfg.model.dtype,
+        grad_clip=cfg.learner.grad_clip,
     )
 
 
@@ -65,6 +66,7 @@ class Trainer:
         self.backend: TrainBackend = build_backend(lc, model, dist, total_updates, cfg.model.dtype)
         if resume_dir is not None:
             self.backend.load(resume_dir)
+            self.objective.load(resume_dir)
         self.generator = torch.Generator().manual_seed(cfg.run.seed * 1000 + dist.rank)
 
     @property
@@ -79,6 +81,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         maxima: dict[str, torch.Tensor] = {}
         norms = []
+        extra: dict[str, float] = {}  # the last update's statistics of what else the objective trains
         for _ in range(lc.epochs):
             for minibatch in obj.split(prepared, lc.minibatches, self.generator):
                 pieces = obj.micro(minibatch, lc.micro_batches)
@@ -94,10 +97,15 @@ class Trainer:
                         else:
                             sums[k] = sums[k] + v if k in sums else v
                 norms.append(be.step())
-        return self.reduce_stats(sums, maxima, updates=lc.epochs * lc.minibatches) | {
-            "grad_norm": float(torch.stack([torch.as_tensor(n).double().cpu() for n in norms]).mean()),
-            "lr": be.lr(),
-        }
+                extra = obj.after_update()
+        return (
+            self.reduce_stats(sums, maxima, updates=lc.epochs * lc.minibatches)
+            | extra
+            | {
+                "grad_norm": float(torch.stack([torch.as_tensor(n).double().cpu() for n in norms]).mean()),
+                "lr": be.lr(),
+            }
+        )
 
     def global_denominator(self, pieces) -> Denominator:
         local = torch.tensor(

@@ -188,6 +188,77 @@ def test_grpo_from_its_workflow_file_matches_the_loss_by_hand(tmp_path):
     assert torch.allclose(stats["policy_loss"], total / n, atol=1e-6)
 
 
+def test_llm_ppo_with_a_critic_from_its_workflow_file_matches_the_loss_by_hand(tmp_path):
+    from sluice.learner.batch import collate, token_logprobs
+    from sluice.modeling.sampling import SamplingTransform
+
+    obj, model = token_objective(tmp_path, ["workflow=ppo_critic"])
+    assert obj.critic is not None
+    torch.manual_seed(0)
+    with torch.no_grad():  # a critic that is not all zeros, so GAE has values to work with
+        obj.critic.head.weight.normal_(0, 0.5)
+        obj.critic.head.bias.fill_(0.1)
+    trajs = llm_batch()
+    piece = obj.prepare(model, trajs, DistContext())
+    tokens, seqs = obj.counts(piece)
+    loss, stats = obj.loss(model, piece, Denominator(tokens, seqs))
+
+    batch = collate(trajs, obj.pad_id)
+    with torch.no_grad():
+        values = obj.critic.values(batch)
+        logp = token_logprobs(model, batch, SamplingTransform())
+    positions = [
+        range(
+            len(t.arrays["prompt_ids"]) - 1, len(t.arrays["prompt_ids"]) - 1 + len(t.arrays["completion_ids"])
+        )
+        for t in trajs
+    ]
+    adv, ret = {}, {}
+    for i, t in enumerate(trajs):  # GAE(gamma 1, lambda 0.95); reward on the last token, then V = 0
+        running, next_v = 0.0, 0.0
+        for j in reversed(positions[i]):
+            v = float(values[i, j])
+            delta = (t.reward if j == positions[i][-1] else 0.0) + next_v - v
+            running = delta + 0.95 * running
+            adv[i, j], ret[i, j], next_v = running, running + v, v
+    a = torch.tensor(list(adv.values()), dtype=torch.float64)
+    white = dict(zip(adv, ((a - a.mean()) / (((a - a.mean()) ** 2).mean().sqrt() + 1e-8)).tolist()))
+    policy = value = 0.0
+    for (i, j), a_ij in white.items():
+        ratio = math.exp(
+            float(logp[i, j]) - float(trajs[i].arrays["behaviour_logprobs"][j - positions[i][0]])
+        )
+        policy += -min(ratio * a_ij, min(max(ratio, 0.8), 1.2) * a_ij)
+        value += 0.5 * (float(values[i, j]) - ret[i, j]) ** 2
+    assert len(white) == tokens
+    assert stats["policy_loss"] == pytest.approx(policy / tokens, abs=1e-5)
+    assert stats["value_loss"] == pytest.approx(value / tokens, abs=1e-5)
+    assert float(loss.detach()) == pytest.approx(policy / tokens + 0.5 * value / tokens, abs=1e-5)
+    loss.backward()
+    assert obj.critic.head.weight.grad is not None and obj.critic.head.weight.grad.abs().sum() > 0
+
+
+def test_the_critic_trains_and_resumes_from_a_checkpoint(tmp_path):
+    from sluice.learner.checkpoint import save_checkpoint
+    from sluice.learner.trainer import Trainer
+    from sluice.modeling.policy import materialize_policy_dir
+
+    cfg = load_config(
+        QUICKSTART, [f"run.dir={tmp_path}", *TINY, "workflow=ppo_critic", "learner.batch_size=6"]
+    )
+    model_dir = materialize_policy_dir(cfg)
+    trainer = Trainer(cfg, DistContext(), model_dir)
+    stats = trainer.train_step(llm_batch())
+    assert stats["critic_grad_norm"] > 0 and stats["value_loss"] > 0
+    critic = trainer.objective.critic  # type: ignore[attr-defined]
+    assert critic.head.weight.abs().sum() > 0  # the zero head has moved
+    ckpt = save_checkpoint(tmp_path / "ckpt", 1, trainer, DistContext(), {}, keep=1)
+    assert (ckpt / "critic.pt").is_file()
+    resumed = Trainer(cfg, DistContext(), model_dir, resume_dir=ckpt)
+    for a, b in zip(critic.state_dict().values(), resumed.objective.critic.state_dict().values()):  # type: ignore[attr-defined]
+        assert torch.equal(a, b)
+
+
 def test_gspo_uses_the_sequence_ratio(tmp_path):
     obj, model = token_objective(tmp_path, ["workflow=gspo"])
     piece = obj.prepare(model, llm_batch(), DistContext())

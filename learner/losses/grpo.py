@@ -51,7 +51,7 @@ def grpo_loss(
     mode: Aggregation = "token",
     denom: Denominator | None = None,
 ) -> LossOutput:
-    """logprobs, behaviour_logprobs, mask: [B, T]; advantages: [B]. `denom` holds the counts
+    """logprobs, behaviour_logprobs, mask: [B, T]; advantages: [B] or [B, T]. `denom` holds the counts
     of the whole batch when this is one piece of it (default: this batch's own counts).
     Metrics (detached, where the loss is: no host sync per micro-batch): is_weight_mean,
     is_truncated_frac (tokens whose IS weight hit the cap), log_ratio_abs_mean (mean
@@ -61,7 +61,8 @@ def grpo_loss(
     n_tokens = max(denom.tokens, 1.0)
     log_ratio = (logprobs.detach() - behaviour_logprobs) * mask
     weight = torch.exp(log_ratio).clamp(max=is_cap)
-    surrogate = weight * advantages[:, None] * logprobs
+    adv = advantages if advantages.dim() == 2 else advantages[:, None]  # per token (GAE) or sequence
+    surrogate = weight * adv * logprobs
     loss = aggregate(-surrogate, mask, mode, denom)
     with torch.no_grad():
         truncated = ((torch.exp(log_ratio) >= is_cap).to(mask.dtype) * mask).sum() / n_tokens

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -55,6 +56,17 @@ class Objective(ABC, Generic[P]):
     def max_stats(self) -> tuple[str, ...]:
         """Names in the stats that are maxima (reduced with max, not summed)."""
         return ()
+
+    def after_update(self) -> dict[str, float]:
+        """After each optimizer update of the policy: step what else the objective trains (an
+        LLM workflow's critic). Returns statistics of that update."""
+        return {}
+
+    def save(self, directory: Path) -> None:
+        """Into a checkpoint being written (collective): what else the objective trains."""
+
+    def load(self, directory: Path) -> None:
+        """From the checkpoint being resumed."""
 
 
 def rows(n: int, parts: int, generator: torch.Generator | None) -> list[torch.Tensor]:

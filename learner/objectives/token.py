@@ -19,12 +19,13 @@ import torch
 
 from sluice.learner.balance import balance
 from sluice.learner.batch import TokenBatch, collate, token_logprobs
+from sluice.learner.critic import Critic
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
 from sluice.learner.losses.grpo import group_indices
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.learner.stages.base import Fields, LossContext, PrepareContext
-from sluice.learner.stages.builtin import build_stages, needs_reference
+from sluice.learner.stages.builtin import build_stages, critic_config, needs_reference
 from sluice.modeling.sampling import SamplingTransform
 from sluice.trajectory import Trajectory
 
@@ -48,13 +49,17 @@ class TokenObjective(Objective[TokenPiece]):
         device: torch.device,
         reference_dir: Path | None = None,
         dtype: str = "float32",
+        grad_clip: float = 1.0,
     ) -> None:
-        """`stages`: `workflow.learner` (sluice.config.workflow_check.effective_workflow)."""
+        """`stages`: `workflow.learner` (sluice.config.workflow_check.effective_workflow);
+        `reference_dir`: the run's initial model (the KL reference and the critic's start)."""
         self.prepare_stages, self.loss_stages = build_stages(stages)
         self.pad_id = pad_id
         self.bos_id = bos_id
         self.sampling = sampling
         self.device = device
+        self.critic = self._build_critic(stages, reference_dir, dtype, grad_clip)
+        self.dist: DistContext | None = None  # the group's, once a batch is prepared
         self.reference = None
         if needs_reference(stages):
             from sluice.modeling import load_policy
@@ -62,6 +67,26 @@ class TokenObjective(Objective[TokenPiece]):
             assert reference_dir is not None
             self.reference, _ = load_policy(reference_dir, dtype, device)
             self.reference.eval().requires_grad_(False)
+
+    def _build_critic(self, stages, model_dir: Path | None, dtype: str, grad_clip: float) -> Critic | None:
+        cfg = critic_config(stages)
+        if cfg is None:
+            return None
+        assert model_dir is not None, "a critic starts from the run's initial model"
+        return Critic(model_dir, dtype, self.device, cfg.lr, grad_clip)
+
+    def after_update(self) -> dict[str, float]:
+        if self.critic is None:
+            return {}
+        return {"critic_grad_norm": self.critic.step(self.dist or DistContext())}
+
+    def save(self, directory: Path) -> None:
+        if self.critic is not None:
+            self.critic.save(directory, self.dist or DistContext())
+
+    def load(self, directory: Path) -> None:
+        if self.critic is not None:
+            self.critic.load(directory)
 
     def cost(self, traj: Trajectory) -> int:
         return len(traj.arrays["prompt_ids"]) + len(traj.arrays["completion_ids"])
@@ -94,7 +119,8 @@ class TokenObjective(Objective[TokenPiece]):
             "group_index": group_indices(batch.group_ids).to(self.device),
             "versions": batch.versions,
         }
-        ctx = PrepareContext(module, self.reference, batch, self.sampling, dist, empty)
+        self.dist = dist
+        ctx = PrepareContext(module, self.reference, batch, self.sampling, dist, empty, self.critic)
         with torch.no_grad():
             for stage in self.prepare_stages:
                 data.update(stage.run(data, ctx))
@@ -151,7 +177,7 @@ class TokenObjective(Objective[TokenPiece]):
 
     def loss(self, module, piece: TokenPiece, denom: Denominator) -> tuple[torch.Tensor, Stats]:
         data = {**piece.fields, "logprobs": token_logprobs(module, piece.batch, self.sampling)}
-        ctx = LossContext(denom)
+        ctx = LossContext(denom, piece.batch, self.critic)
         total = torch.zeros((), device=data["logprobs"].device)
         stats: Stats = {}
         for stage in self.loss_stages:

@@ -10,6 +10,7 @@ columns that no row uses.
     rewards            [B]     the task's reward of each completion
     group_index        [B]     0..G-1, the completion's group (whole groups are on one rank)
     versions           [B]     policy version that sampled each completion
+    values, returns    [B, T]  with a critic (critic_values, gae_advantages)
     logprobs           [B, T]  loss phase only: log pi_theta of the targets, with gradient
 
 A prepare stage runs once per batch without gradient and returns new fields; a loss stage runs
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from sluice.learner.batch import TokenBatch, token_logprobs
+from sluice.learner.critic import Critic
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
 from sluice.learner.losses.base import LossOutput
@@ -44,6 +46,7 @@ class PrepareContext:
     sampling: SamplingTransform  # the rollouts' temperature and filters
     dist: DistContext  # for a statistic over the whole batch (all ranks)
     empty: bool  # this rank has no data: the fields are a zero-masked dummy row
+    critic: Critic | None = None  # the value model, when the workflow has a critic_values stage
 
     def logprobs(self, model: torch.nn.Module) -> torch.Tensor:
         """log model(target) of every target position: [B, T]."""
@@ -55,6 +58,8 @@ class LossContext:
     """What a loss stage may use besides the fields."""
 
     denom: Denominator  # token and sequence counts of the whole minibatch, all ranks
+    batch: TokenBatch | None = None  # this piece's ids and masks, for a forward of another model
+    critic: Critic | None = None  # the value model, when the workflow has one
 
 
 class PrepareStage(Protocol):

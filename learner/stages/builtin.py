@@ -11,6 +11,8 @@ import torch
 
 from sluice.config.workflow import (
     BatchAdvantages,
+    CriticValues,
+    GaeAdvantages,
     GroupAdvantages,
     KLPenalty,
     PolicyLoss,
@@ -18,12 +20,20 @@ from sluice.config.workflow import (
     ReferenceLogprobs,
     RlooAdvantages,
     UserStage,
+    ValueLoss,
 )
 from sluice.learner.losses.base import LossOutput, TokenLossInputs
 from sluice.learner.losses.grpo import group_advantages
 from sluice.learner.losses.kl import kl_penalty
+from sluice.learner.losses.ppo import value_loss
 from sluice.learner.losses.registry import TokenLoss, token_loss
-from sluice.learner.stages.advantages import batch_whitened, group_mean, rloo_advantages
+from sluice.learner.stages.advantages import (
+    batch_whitened,
+    group_mean,
+    masked_whitened,
+    rloo_advantages,
+    token_gae,
+)
 from sluice.learner.stages.base import Bound, Fields, LossContext, PrepareContext
 from sluice.plugins import resolve_function
 
@@ -63,6 +73,27 @@ class PolicyBinding:
     params: Any
 
 
+def critic_values(fields: Fields, ctx: PrepareContext, _: CriticValues) -> Fields:
+    assert ctx.critic is not None, "the objective builds the critic when a critic_values stage is present"
+    return {"values": ctx.critic.values(ctx.batch) * fields["mask"]}
+
+
+def gae(fields: Fields, ctx: PrepareContext, p: GaeAdvantages) -> Fields:
+    mask = fields["mask"]
+    adv, returns = token_gae(fields["rewards"], fields["values"], mask, p.gamma, p.lam)
+    if p.whiten:
+        adv = masked_whitened(adv, mask, ctx.dist, 1e-8)  # an empty rank's dummy mask is all 0
+    return {"advantages": adv, "returns": returns}
+
+
+def value_term(fields: Fields, ctx: LossContext, p: ValueLoss) -> LossOutput:
+    assert ctx.critic is not None and ctx.batch is not None
+    v = ctx.critic.values(ctx.batch)
+    old = fields["values"] if p.clip is not None else None
+    loss = value_loss(v, fields["returns"], fields["mask"], p.aggregation, ctx.denom, old, p.clip)
+    return LossOutput(loss, {})
+
+
 def policy_term(fields: Fields, ctx: LossContext, b: PolicyBinding) -> LossOutput:
     x = TokenLossInputs(
         fields["logprobs"],
@@ -89,8 +120,11 @@ BUILTIN: dict[type, Any] = {
     GroupAdvantages: grouped,
     RlooAdvantages: rloo,
     BatchAdvantages: batch_normalised,
+    CriticValues: critic_values,
+    GaeAdvantages: gae,
     PolicyLoss: policy_term,
     KLPenalty: kl_term,
+    ValueLoss: value_term,
 }
 
 
@@ -120,6 +154,10 @@ def build_stages(stages: Sequence[Any]) -> tuple[list[Bound], list[Bound]]:
 
 def needs_reference(stages: Sequence[Any]) -> bool:
     return any(isinstance(s, ReferenceLogprobs) for s in stages)
+
+
+def critic_config(stages: Sequence[Any]) -> CriticValues | None:
+    return next((s for s in stages if isinstance(s, CriticValues)), None)
 
 
 def _checked_loss(fn: Any, name: str) -> Any:

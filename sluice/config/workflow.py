@@ -120,6 +120,38 @@ class BatchAdvantages(_Stage):
         return ("advantages",)
 
 
+class CriticValues(_Stage):
+    """V of every target position under the critic, before the updates: a value model the
+    learner group trains beside the policy (learner/critic.py), initialised from the run's
+    initial policy with a zero head."""
+
+    stage: Literal["critic_values"] = "critic_values"
+    lr: float = Field(default=1e-4, gt=0)
+    """The critic's AdamW learning rate (constant)."""
+
+    def writes(self) -> tuple[str, ...]:
+        return ("values",)
+
+
+class GaeAdvantages(_Stage):
+    """Token-level GAE(gamma, lambda) over each completion's trained tokens, the task's reward
+    on its last token; returns = advantages + values."""
+
+    stage: Literal["gae_advantages"] = "gae_advantages"
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """Discount per token."""
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """GAE lambda."""
+    whiten: bool = True
+    """Whiten the advantages over the batch's trained tokens (all ranks)."""
+
+    def reads(self) -> tuple[str, ...]:
+        return ("rewards", "values", "mask")
+
+    def writes(self) -> tuple[str, ...]:
+        return ("advantages", "returns")
+
+
 class PolicyLoss(_Stage):
     """The policy-gradient term: any token loss of `learner.loss`'s table, or a user's."""
 
@@ -151,6 +183,24 @@ class KLPenalty(_Stage):
 
     def reads(self) -> tuple[str, ...]:
         return ("logprobs", "ref_logprobs", "mask")
+
+
+class ValueLoss(_Stage):
+    """0.5 (V - returns)^2 per trained token under the critic, optionally clipped around the
+    values of the prepare phase (PPO's value clipping)."""
+
+    phase: ClassVar[Phase] = "loss"
+    metric: ClassVar[str] = "value_loss"
+    stage: Literal["value_loss"] = "value_loss"
+    coef: float = Field(default=0.5, gt=0)
+    """Weight of the term."""
+    clip: float | None = Field(default=None, gt=0)
+    """Clip V to values +- clip; None: no clipping."""
+    aggregation: Aggregation = "token"
+    """As the policy loss's."""
+
+    def reads(self) -> tuple[str, ...]:
+        return ("returns", "values", "mask")
 
 
 class ActorCritic(_Stage):
@@ -235,8 +285,11 @@ LEARNER_STAGES = {
         GroupAdvantages,
         RlooAdvantages,
         BatchAdvantages,
+        CriticValues,
+        GaeAdvantages,
         PolicyLoss,
         KLPenalty,
+        ValueLoss,
         ActorCritic,
     )
 }
@@ -255,8 +308,11 @@ LearnerStage = Annotated[
     | Annotated[GroupAdvantages, Tag("stage=group_advantages")]
     | Annotated[RlooAdvantages, Tag("stage=rloo_advantages")]
     | Annotated[BatchAdvantages, Tag("stage=batch_advantages")]
+    | Annotated[CriticValues, Tag("stage=critic_values")]
+    | Annotated[GaeAdvantages, Tag("stage=gae_advantages")]
     | Annotated[PolicyLoss, Tag("stage=policy_loss")]
     | Annotated[KLPenalty, Tag("stage=kl_penalty")]
+    | Annotated[ValueLoss, Tag("stage=value_loss")]
     | Annotated[ActorCritic, Tag("stage=actor_critic")]
     | Annotated[UserStage, Tag(USER_TAG)],
     Discriminator(_stage_tag),

@@ -11,6 +11,7 @@ import yaml
 
 from sluice.config.loss import (
     GrpoLoss,
+    GspoLoss,
     LLMObjectiveConfig,
     VTraceLoss,
     changed,
@@ -24,6 +25,7 @@ from sluice.config.workflow import (
     LOSS_PHASE_FIELDS,
     ActorCritic,
     DropZeroVariance,
+    GaeAdvantages,
     GroupAdvantages,
     KLPenalty,
     PolicyLoss,
@@ -64,7 +66,7 @@ def check_workflow(wf: WorkflowConfig, kind: str) -> None:
     """Raise ValueError naming the stage: a field read before any stage writes it, a prepare
     stage after a loss stage, a stage for the other kind of run, or no loss stage."""
     available = set(ENV_BATCH_FIELDS if kind == "env" else LLM_BATCH_FIELDS)
-    in_loss = False
+    in_loss = token_adv = False
     for i, stage in enumerate(wf.learner):
         where = f"workflow.learner[{i}] ({stage.stage})"
         _check_kind(stage, kind, where)
@@ -74,6 +76,11 @@ def check_workflow(wf: WorkflowConfig, kind: str) -> None:
         elif stage.phase == "prepare" and in_loss:
             raise ValueError(f"{where}: a prepare stage after a loss stage (prepare stages come first)")
         reads, writes = contract(stage)
+        token_adv = token_adv or isinstance(stage, GaeAdvantages)
+        if token_adv and isinstance(stage, PolicyLoss) and isinstance(stage.loss, GspoLoss):
+            raise ValueError(
+                f"{where}: gspo's ratio is per sequence; it takes per-sequence advantages, not GAE's"
+            )
         for name in reads:
             if name not in available:
                 so_far = ", ".join(sorted(available))

@@ -9,7 +9,7 @@ import yaml
 
 from helpers.runs import ROOT
 
-LLM_WORKFLOWS = ["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "decoupled_ppo"]
+LLM_WORKFLOWS = ["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "decoupled_ppo", "ppo_critic"]
 ENV_WORKFLOWS = ["vtrace", "ppo_gae"]
 CARTPOLE = ROOT / "configs" / "cartpole.yaml"
 
