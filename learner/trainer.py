@@ -25,7 +25,14 @@ from sluice.modeling.policy import load_policy_model
 from sluice.trajectory import Trajectory
 
 
-def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir: Path, device) -> Objective:
+def build_objective(
+    cfg: RunConfig,
+    model: torch.nn.Module,
+    tokenizer,
+    model_dir: Path,
+    device,
+    dist: DistContext | None = None,
+) -> Objective:
     """The objective that runs the run's workflow (sluice/config/workflow.py)."""
     workflow = effective_workflow(cfg)
     if cfg.model.kind == "mlp":
@@ -49,6 +56,7 @@ def build_objective(cfg: RunConfig, model: torch.nn.Module, tokenizer, model_dir
         reference_dir=model_dir,
         dtype=cfg.model.dtype,
         grad_clip=cfg.learner.grad_clip,
+        dist=dist,
     )
 
 
@@ -61,7 +69,7 @@ class Trainer:
         self.dist = dist
         model, self.tokenizer = load_policy_model(cfg, resume_dir or model_dir, dist.device)
         model.train()
-        self.objective = build_objective(cfg, model, self.tokenizer, model_dir, dist.device)
+        self.objective = build_objective(cfg, model, self.tokenizer, model_dir, dist.device, dist)
         total_updates = lc.total_steps * lc.epochs * lc.minibatches
         self.backend: TrainBackend = build_backend(lc, model, dist, total_updates, cfg.model.dtype)
         if resume_dir is not None:

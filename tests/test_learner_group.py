@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "helpers" / "group_step.py"
 
 
-def write_config(path: Path, run_dir: Path, **learner) -> Path:
-    cfg = {
+def write_config(path: Path, run_dir: Path, workflow: str | None = None, **learner) -> Path:
+    cfg: dict = {
         "run": {"dir": str(run_dir), "seed": 0},
         "model": {
             "init": {
@@ -39,6 +39,9 @@ def write_config(path: Path, run_dir: Path, **learner) -> Path:
             **learner,
         },
     }
+    if workflow is not None:  # the workflow says what the loss is
+        del cfg["learner"]["loss"]
+        cfg["workflow"] = workflow
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -46,7 +49,7 @@ def write_config(path: Path, run_dir: Path, **learner) -> Path:
 def run_group(tmp: Path, name: str, ranks: int, **learner) -> tuple[dict, list]:
     out = tmp / name
     out.mkdir()
-    config = write_config(tmp / f"{name}.yaml", tmp / "run", ranks=ranks, **learner)
+    config = write_config(tmp / f"{name}.yaml", tmp / f"run-{name}", ranks=ranks, **learner)
     port = free_port()
     procs = []
     for rank in range(ranks):
@@ -80,12 +83,14 @@ def run_group(tmp: Path, name: str, ranks: int, **learner) -> tuple[dict, list]:
     return load_file(str(out / "params.safetensors")), json.loads((out / "stats.json").read_text())
 
 
-def assert_same_update(a: tuple[dict, list], b: tuple[dict, list], tol: float) -> None:
+def assert_same_update(
+    a: tuple[dict, list], b: tuple[dict, list], tol: float, keys: tuple[str, ...] = ()
+) -> None:
     """Same statistics (the gradient norm is the scale-sensitive one: Adam's update is nearly
     invariant to a gradient scale) and the same parameters after the steps."""
     (pa, sa), (pb, sb) = a, b
     for step_a, step_b in zip(sa, sb):
-        for key in ("grad_norm", "policy_loss", "clip_frac", "is_weight_mean"):
+        for key in ("grad_norm", "policy_loss", "clip_frac", *(keys or ("is_weight_mean",))):
             assert abs(step_a[key] - step_b[key]) <= tol * max(1.0, abs(step_a[key])), (
                 key,
                 step_a[key],
@@ -109,7 +114,7 @@ def test_ddp_two_ranks_equals_one_rank_on_the_whole_batch(tmp_path, single):
     ddp = run_group(tmp_path, "ddp", ranks=2, micro_batches=2)
     assert_same_update(single, ddp, tol=1e-5)
     # and the steps moved the weights: the comparison is not of two untouched models
-    initial = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
+    initial = load_file(str(tmp_path / "run-ddp" / "model" / "model.safetensors"))
     assert max(float((single[0][k] - initial[k]).abs().max()) for k in initial) > 1e-3
 
 
@@ -118,3 +123,14 @@ def test_deepspeed_zero3_two_ranks_equals_one_rank_on_the_whole_batch(tmp_path, 
     """ZeRO-3 partitions parameters, gradients and optimizer state (gathered for the result)."""
     zero3 = run_group(tmp_path, "zero3", ranks=2, micro_batches=2, backend="deepspeed", zero_stage=3)
     assert_same_update(single, zero3, tol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_critic_trained_by_two_ranks_equals_one_rank(tmp_path):
+    """ppo_critic: the value model's gradients (averaged over ranks after the world-size-scaled
+    backward) give the one-process update; its second-step values shape the policy's GAE
+    advantages, so the policy's parameters check the critic's first update too."""
+    one = run_group(tmp_path, "one", ranks=1, workflow="ppo_critic")
+    two = run_group(tmp_path, "two", ranks=2, micro_batches=2, workflow="ppo_critic")
+    assert_same_update(one, two, tol=1e-5, keys=("value_loss", "critic_grad_norm"))
+    assert all(step["critic_grad_norm"] > 0 for step in one[1])

@@ -50,16 +50,18 @@ class TokenObjective(Objective[TokenPiece]):
         reference_dir: Path | None = None,
         dtype: str = "float32",
         grad_clip: float = 1.0,
+        dist: DistContext | None = None,
     ) -> None:
         """`stages`: `workflow.learner` (sluice.config.workflow_check.effective_workflow);
-        `reference_dir`: the run's initial model (the KL reference and the critic's start)."""
+        `reference_dir`: the run's initial model (the KL reference and the critic's start);
+        `dist`: the learner group (a group of one if None), for the critic's updates."""
         self.prepare_stages, self.loss_stages = build_stages(stages)
         self.pad_id = pad_id
         self.bos_id = bos_id
         self.sampling = sampling
         self.device = device
         self.critic = self._build_critic(stages, reference_dir, dtype, grad_clip)
-        self.dist: DistContext | None = None  # the group's, once a batch is prepared
+        self.dist = dist or DistContext()
         self.reference = None
         if needs_reference(stages):
             from sluice.modeling import load_policy
@@ -78,11 +80,11 @@ class TokenObjective(Objective[TokenPiece]):
     def after_update(self) -> dict[str, float]:
         if self.critic is None:
             return {}
-        return {"critic_grad_norm": self.critic.step(self.dist or DistContext())}
+        return {"critic_grad_norm": self.critic.step(self.dist)}
 
     def save(self, directory: Path) -> None:
         if self.critic is not None:
-            self.critic.save(directory, self.dist or DistContext())
+            self.critic.save(directory, self.dist)
 
     def load(self, directory: Path) -> None:
         if self.critic is not None:
@@ -119,7 +121,6 @@ class TokenObjective(Objective[TokenPiece]):
             "group_index": group_indices(batch.group_ids).to(self.device),
             "versions": batch.versions,
         }
-        self.dist = dist
         ctx = PrepareContext(module, self.reference, batch, self.sampling, dist, empty, self.critic)
         with torch.no_grad():
             for stage in self.prepare_stages:
