@@ -158,7 +158,7 @@ def test_full_shard_pushes_back(shard_factory):
     "frames,code,needle",
     [
         ([b"\xc1garbage"], "BAD_FRAME", "not msgpack"),
-        ([msgspec.msgpack.encode([1, 2, 3])], "BAD_HEADER", "header"),
+        ([msgspec.msgpack.encode([1, 2, 3])], "BAD_FRAME", "not a map"),
         (
             [msgspec.msgpack.encode({"proto": 1, "op": "GET", "id": 5, "max_trajs": -3})],
             "BAD_HEADER",

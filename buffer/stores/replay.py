@@ -118,7 +118,8 @@ class ReplayStore(ShardStore):
             self.counters.evicted_trajs += group.size
 
     def update_priorities(self, keys: Sequence[int], priorities: Sequence[float]) -> tuple[int, int]:
-        """Returns (updated, unknown). Raises ValueError naming a bad priority."""
+        """Returns (updated, unknown): distinct keys stored / no longer stored (a key repeated
+        counts once). Raises ValueError naming a bad priority."""
         if len(keys) != len(priorities):
             raise ValueError(f"keys has {len(keys)} entries, priorities {len(priorities)}")
         for i, p in enumerate(priorities):
@@ -139,7 +140,7 @@ class ReplayStore(ShardStore):
         if known:
             self.max_priority = max(self.max_priority, max(known.values()))
         self.counters.priority_updates += len(known)
-        return len(known), len(keys) - len(known)
+        return len(known), len(latest) - len(known)  # distinct keys, both
 
     # -- reads ---------------------------------------------------------------------------------
 

@@ -67,15 +67,16 @@ def encode(header: msgspec.Struct, payload: Sequence[Frame] = ()) -> list[Frame]
     return [_encoder.encode(header), *payload]
 
 
-def _peek_id(raw: memoryview) -> int:
-    """Best-effort request id from a header that failed validation (-1 if unreadable)."""
-    try:
-        loose = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
-        return -1
-    if isinstance(loose, dict) and isinstance(loose.get("id"), int):
-        return loose["id"]
-    return -1
+# What the wire calls each value msgpack can hold (for a message naming what a frame held).
+_MSGPACK_TYPES = {
+    type(None): "nil",
+    bool: "bool",
+    int: "int",
+    float: "float",
+    str: "str",
+    bytes: "bin",
+    list: "array",
+}
 
 
 def decode_request(
@@ -83,24 +84,45 @@ def decode_request(
 ) -> tuple[Request, list[Frame]]:
     """Parse a request: (header, payload frames). Raises ProtocolError with the request id set
     on `.request_id` where one could be read. `decoder` selects the protocol (buffer requests
-    by default; the control plane passes its own)."""
+    by default; the control plane passes its own). The codes follow docs/protocol.md, Errors:
+    a header frame that is not exactly one msgpack map is BAD_FRAME; a map whose `proto` is an
+    int other than ours is PROTO_VERSION whatever else it holds (another version may have other
+    ops and keys); any other map that does not fit the schema is BAD_HEADER."""
     if not frames:
         raise _with_id(ProtocolError("BAD_FRAME", "empty message: expected a header frame"), -1)
     raw = frame_bytes(frames[0])
     try:
         header = decoder.decode(raw)
-    except msgspec.ValidationError as e:
-        raise _with_id(ProtocolError("BAD_HEADER", f"header: {e}"), _peek_id(raw)) from None
-    except msgspec.DecodeError as e:
-        raise _with_id(ProtocolError("BAD_FRAME", f"frame 0 is not msgpack: {e}"), -1) from None
+    except msgspec.ValidationError as e:  # (a DecodeError too: caught first)
+        raise _refused_header(raw, e) from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise _with_id(ProtocolError("BAD_FRAME", f"the header frame is not msgpack: {e}"), -1) from None
     if header.proto != PROTO_VERSION:
-        raise _with_id(
-            ProtocolError(
-                "PROTO_VERSION", f"header.proto={header.proto}, this server speaks {PROTO_VERSION}"
-            ),
-            header.id,
-        )
+        raise _with_id(_proto_error(header.proto), header.id)
     return header, list(frames[1:])
+
+
+def _refused_header(raw: memoryview, error: msgspec.ValidationError) -> ProtocolError:
+    """Why a header the schema refused is refused. The typed decoder stops at the first thing
+    it does not expect, before it has read the whole frame, so it cannot tell random bytes from
+    a bad map: decoding the frame again untyped (only on this error path) can."""
+    try:
+        loose = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as e:
+        return _with_id(ProtocolError("BAD_FRAME", f"the header frame is not msgpack: {e}"), -1)
+    if not isinstance(loose, dict):
+        kind = _MSGPACK_TYPES.get(type(loose), "ext")
+        return _with_id(ProtocolError("BAD_FRAME", f"the header frame is a msgpack {kind}, not a map"), -1)
+    request_id = loose.get("id")
+    request_id = request_id if type(request_id) is int else -1  # (bool is an int in Python)
+    proto = loose.get("proto")
+    if type(proto) is int and proto != PROTO_VERSION:
+        return _with_id(_proto_error(proto), request_id)
+    return _with_id(ProtocolError("BAD_HEADER", f"header: {error}"), request_id)
+
+
+def _proto_error(proto: int) -> ProtocolError:
+    return ProtocolError("PROTO_VERSION", f"header.proto={proto}, this server speaks {PROTO_VERSION}")
 
 
 def decode_reply(

@@ -20,14 +20,29 @@ class RawPeer:
         self.sock = zmq_socket(ctx, zmq.DEALER)
         self.sock.connect(endpoint)
 
-    def exchange(self, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes] | None:
-        """Send `frames`; the reply's frames after the empty delimiter, or None if none came."""
-        self.sock.send_multipart([b"", *frames])
+    def send(self, frames: list[bytes], *, delimiter: bool = True) -> None:
+        """Send `frames` without waiting for the reply (several may be in flight). `delimiter`
+        False leaves out the empty delimiter (the protocol allows it; the reply then has none)."""
+        self.sock.send_multipart([b"", *frames] if delimiter else frames)
+
+    def receive(self, timeout_ms: int = 5000, *, delimiter: bool = True) -> list[bytes] | None:
+        """The next reply's frames after its empty delimiter (`delimiter` False: a reply that
+        must have none), or None if none came within `timeout_ms`."""
         if not self.sock.poll(timeout_ms):
             return None
         reply = self.sock.recv_multipart()
+        if not delimiter:
+            assert reply and reply[0] != b"", f"a reply with a delimiter the request had not: {reply[:2]}"
+            return reply
         assert reply[0] == b"", f"reply without the empty delimiter: {reply[:2]}"
         return reply[1:]
+
+    def exchange(
+        self, frames: list[bytes], timeout_ms: int = 5000, *, delimiter: bool = True
+    ) -> list[bytes] | None:
+        """Send `frames`; the reply's frames after the empty delimiter, or None if none came."""
+        self.send(frames, delimiter=delimiter)
+        return self.receive(timeout_ms, delimiter=delimiter)
 
     def ask(self, frames: list[bytes], timeout_ms: int = 5000) -> dict | None:
         """Send `frames`; the reply's msgpack header as a dict, or None if no reply came."""
