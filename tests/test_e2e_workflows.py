@@ -20,13 +20,17 @@ STEPS = 3
 @pytest.mark.parametrize("name", [w for w in LLM_WORKFLOWS if w != "grpo"])  # grpo: the quickstart tests
 def test_an_llm_workflow_runs_end_to_end(tmp_path, name):
     run_dir = tmp_path / "run"
-    proc = sluice_run(run_dir, f"workflow={name}", f"learner.total_steps={STEPS}", "learner.batch_size=64")
+    small = ("learner.batch_size=32", "rollout.prompts_per_batch=2", "buffer.capacity=256")
+    proc = sluice_run(run_dir, f"workflow={name}", f"learner.total_steps={STEPS}", *small)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
     assert [s["version"] for s in steps] == list(range(1, STEPS + 1))
     assert all(math.isfinite(s["loss"]) and s["grad_norm"] > 0 for s in steps), steps
     if name == "reinforce_pp":
         assert all("kl_ref" in s for s in steps)
+    if name == "ppo_critic":
+        assert all(s["value_loss"] > 0 and s["critic_grad_norm"] > 0 for s in steps)
+        assert (run_dir / "checkpoints" / "latest" / "critic.pt").is_file()
     if name == "dapo":
         rollouts = [r for f in (run_dir / "metrics").glob("rollout-*.jsonl") for r in read_jsonl(f)]
         assert rollouts and all("dropped_groups" in r for r in rollouts)
