@@ -22,6 +22,7 @@ class TokenBatch:
     rewards: torch.Tensor  # [B]
     versions: torch.Tensor  # [B] trajectory versions (oldest token)
     group_ids: list[str]
+    truncated: torch.Tensor  # [B] bool: cut at the token budget (the rollout's info["truncated"])
 
     @property
     def n_tokens(self) -> int:
@@ -59,6 +60,7 @@ def collate(trajs: Sequence[Trajectory], pad_id: int) -> TokenBatch:
         rewards=torch.tensor([t.reward for t in trajs], dtype=torch.float32),
         versions=torch.tensor([t.version for t in trajs], dtype=torch.long),
         group_ids=[t.group_id for t in trajs],
+        truncated=torch.tensor([bool(t.info.get("truncated", False)) for t in trajs]),
     )
 
 

@@ -227,7 +227,7 @@ class LLMProducer:
                     version=s.version if len(s.versions) else self.engine.version,
                     group_size=len(group),
                     reward=s.reward,
-                    info=dict(s.info),
+                    info={**s.info, "truncated": not s.finished},  # for the learner's overlong filter
                     arrays=arrays,
                 )
             )

@@ -84,8 +84,8 @@ def test_a_field_written_later_is_named_and_legacy_keys_clash_with_a_workflow():
         load_config(QUICKSTART, ["workflow=vtrace"])
     with pytest.raises(ConfigError, match="neither a shipped workflow"):
         load_config(QUICKSTART, ["workflow=nope"])
-    cfg = load_config(QUICKSTART, ["workflow=dapo", "workflow.learner.1.loss.clip_high=0.3"])
-    assert cfg.workflow is not None and cfg.workflow.learner[1].loss.clip_high == 0.3
+    cfg = load_config(QUICKSTART, ["workflow=dapo", "workflow.learner.2.loss.clip_high=0.3"])
+    assert cfg.workflow is not None and cfg.workflow.learner[2].loss.clip_high == 0.3
 
 
 def test_without_a_workflow_the_legacy_keys_mean_the_same_stages():
@@ -257,6 +257,16 @@ def test_the_critic_trains_and_resumes_from_a_checkpoint(tmp_path):
     resumed = Trainer(cfg, DistContext(), model_dir, resume_dir=ckpt)
     for a, b in zip(critic.state_dict().values(), resumed.objective.critic.state_dict().values()):  # type: ignore[attr-defined]
         assert torch.equal(a, b)
+
+
+def test_dapo_does_not_train_on_a_completion_cut_at_the_token_budget(tmp_path):
+    obj, model = token_objective(tmp_path, ["workflow=dapo"])
+    trajs = llm_batch()
+    trajs[2].info["truncated"] = True  # 4 tokens, as the rollout marks a sample it cut
+    piece = obj.prepare(model, trajs, DistContext())
+    assert obj.counts(piece) == (17 - 4, 6)
+    assert not piece.fields["mask"][2].any() and piece.fields["mask"][3].any()
+    assert piece.fields["advantages"][2] != 0  # its group's advantages are computed as before
 
 
 def test_gspo_uses_the_sequence_ratio(tmp_path):

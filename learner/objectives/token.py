@@ -120,6 +120,9 @@ class TokenObjective(Objective[TokenPiece]):
             "rewards": batch.rewards,
             "group_index": group_indices(batch.group_ids).to(self.device),
             "versions": batch.versions,
+            "truncated": batch.truncated
+            if batch.truncated is not None
+            else torch.zeros(len(batch.group_ids)),
         }
         ctx = PrepareContext(module, self.reference, batch, self.sampling, dist, empty, self.critic)
         with torch.no_grad():

@@ -10,6 +10,7 @@ columns that no row uses.
     rewards            [B]     the task's reward of each completion
     group_index        [B]     0..G-1, the completion's group (whole groups are on one rank)
     versions           [B]     policy version that sampled each completion
+    truncated          [B]     bool: cut at the token budget (the rollout's info["truncated"])
     values, returns    [B, T]  with a critic (critic_values, gae_advantages)
     logprobs           [B, T]  loss phase only: log pi_theta of the targets, with gradient
 

@@ -15,6 +15,7 @@ from sluice.config.workflow import (
     GaeAdvantages,
     GroupAdvantages,
     KLPenalty,
+    MaskTruncated,
     PolicyLoss,
     ProximalLogprobs,
     ReferenceLogprobs,
@@ -73,6 +74,11 @@ class PolicyBinding:
     params: Any
 
 
+def mask_truncated(fields: Fields, ctx: PrepareContext, _: MaskTruncated) -> Fields:
+    keep = ~fields["truncated"].bool()
+    return {"mask": fields["mask"] & keep[:, None]}
+
+
 def critic_values(fields: Fields, ctx: PrepareContext, _: CriticValues) -> Fields:
     assert ctx.critic is not None, "the objective builds the critic when a critic_values stage is present"
     return {"values": ctx.critic.values(ctx.batch) * fields["mask"]}
@@ -120,6 +126,7 @@ BUILTIN: dict[type, Any] = {
     GroupAdvantages: grouped,
     RlooAdvantages: rloo,
     BatchAdvantages: batch_normalised,
+    MaskTruncated: mask_truncated,
     CriticValues: critic_values,
     GaeAdvantages: gae,
     PolicyLoss: policy_term,

@@ -36,7 +36,7 @@ from sluice.plugins import PluginRef, is_reference
 Phase = Literal["prepare", "loss"]
 Aggregation = Literal["token", "sequence"]
 
-LLM_BATCH_FIELDS = ("behaviour_logprobs", "mask", "rewards", "group_index", "versions")
+LLM_BATCH_FIELDS = ("behaviour_logprobs", "mask", "rewards", "group_index", "versions", "truncated")
 """What an LLM learner batch starts with (shapes in learner/stages/base.py)."""
 ENV_BATCH_FIELDS = ("obs", "actions", "behaviour_logprobs", "rewards", "terminated", "ended")
 """What a classic-RL learner batch starts with (whole segments)."""
@@ -118,6 +118,19 @@ class BatchAdvantages(_Stage):
 
     def writes(self) -> tuple[str, ...]:
         return ("advantages",)
+
+
+class MaskTruncated(_Stage):
+    """DAPO's overlong filtering: a completion cut at the token budget is not trained on (its
+    tokens leave the mask; its group's advantages are computed as before)."""
+
+    stage: Literal["mask_truncated"] = "mask_truncated"
+
+    def reads(self) -> tuple[str, ...]:
+        return ("mask", "truncated")
+
+    def writes(self) -> tuple[str, ...]:
+        return ("mask",)
 
 
 class CriticValues(_Stage):
@@ -285,6 +298,7 @@ LEARNER_STAGES = {
         GroupAdvantages,
         RlooAdvantages,
         BatchAdvantages,
+        MaskTruncated,
         CriticValues,
         GaeAdvantages,
         PolicyLoss,
@@ -308,6 +322,7 @@ LearnerStage = Annotated[
     | Annotated[GroupAdvantages, Tag("stage=group_advantages")]
     | Annotated[RlooAdvantages, Tag("stage=rloo_advantages")]
     | Annotated[BatchAdvantages, Tag("stage=batch_advantages")]
+    | Annotated[MaskTruncated, Tag("stage=mask_truncated")]
     | Annotated[CriticValues, Tag("stage=critic_values")]
     | Annotated[GaeAdvantages, Tag("stage=gae_advantages")]
     | Annotated[PolicyLoss, Tag("stage=policy_loss")]
