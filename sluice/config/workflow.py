@@ -49,12 +49,15 @@ ALGORITHMS_DIR = Path(__file__).resolve().parent.parent / "algorithms"
 class _Stage(Section):
     phase: ClassVar[Phase] = "prepare"
     metric: ClassVar[str] = ""  # a loss stage's term is logged under this name
+    # The fields it reads and writes; a stage whose settings change them overrides reads()/writes().
+    READS: ClassVar[tuple[str, ...]] = ()
+    WRITES: ClassVar[tuple[str, ...]] = ()
 
     def reads(self) -> tuple[str, ...]:
-        return ()
+        return self.READS
 
     def writes(self) -> tuple[str, ...]:
-        return ()
+        return self.WRITES
 
 
 class ProximalLogprobs(_Stage):
@@ -62,8 +65,7 @@ class ProximalLogprobs(_Stage):
 
     stage: Literal["proximal_logprobs"] = "proximal_logprobs"
 
-    def writes(self) -> tuple[str, ...]:
-        return ("proximal_logprobs",)
+    WRITES = ("proximal_logprobs",)
 
 
 class ReferenceLogprobs(_Stage):
@@ -71,8 +73,7 @@ class ReferenceLogprobs(_Stage):
 
     stage: Literal["reference_logprobs"] = "reference_logprobs"
 
-    def writes(self) -> tuple[str, ...]:
-        return ("ref_logprobs",)
+    WRITES = ("ref_logprobs",)
 
 
 class GroupAdvantages(_Stage):
@@ -84,11 +85,9 @@ class GroupAdvantages(_Stage):
     eps: float = Field(default=1e-4, gt=0)
     """Added to the std before dividing."""
 
-    def reads(self) -> tuple[str, ...]:
-        return ("rewards", "group_index")
+    READS = ("rewards", "group_index")
 
-    def writes(self) -> tuple[str, ...]:
-        return ("advantages",)
+    WRITES = ("advantages",)
 
 
 class RlooAdvantages(_Stage):
@@ -96,11 +95,9 @@ class RlooAdvantages(_Stage):
 
     stage: Literal["rloo_advantages"] = "rloo_advantages"
 
-    def reads(self) -> tuple[str, ...]:
-        return ("rewards", "group_index")
+    READS = ("rewards", "group_index")
 
-    def writes(self) -> tuple[str, ...]:
-        return ("advantages",)
+    WRITES = ("advantages",)
 
 
 class BatchAdvantages(_Stage):
@@ -116,8 +113,7 @@ class BatchAdvantages(_Stage):
     def reads(self) -> tuple[str, ...]:
         return ("rewards", "group_index") if self.baseline == "group_mean" else ("rewards",)
 
-    def writes(self) -> tuple[str, ...]:
-        return ("advantages",)
+    WRITES = ("advantages",)
 
 
 class MaskTruncated(_Stage):
@@ -126,11 +122,9 @@ class MaskTruncated(_Stage):
 
     stage: Literal["mask_truncated"] = "mask_truncated"
 
-    def reads(self) -> tuple[str, ...]:
-        return ("mask", "truncated")
+    READS = ("mask", "truncated")
 
-    def writes(self) -> tuple[str, ...]:
-        return ("mask",)
+    WRITES = ("mask",)
 
 
 class CriticValues(_Stage):
@@ -142,8 +136,7 @@ class CriticValues(_Stage):
     lr: float = Field(default=1e-4, gt=0)
     """The critic's AdamW learning rate (constant)."""
 
-    def writes(self) -> tuple[str, ...]:
-        return ("values",)
+    WRITES = ("values",)
 
 
 class GaeAdvantages(_Stage):
@@ -158,11 +151,9 @@ class GaeAdvantages(_Stage):
     whiten: bool = True
     """Whiten the advantages over the batch's trained tokens (all ranks)."""
 
-    def reads(self) -> tuple[str, ...]:
-        return ("rewards", "values", "mask")
+    READS = ("rewards", "values", "mask")
 
-    def writes(self) -> tuple[str, ...]:
-        return ("advantages", "returns")
+    WRITES = ("advantages", "returns")
 
 
 class PolicyLoss(_Stage):
@@ -194,8 +185,7 @@ class KLPenalty(_Stage):
     aggregation: Aggregation = "token"
     """As the policy loss's."""
 
-    def reads(self) -> tuple[str, ...]:
-        return ("logprobs", "ref_logprobs", "mask")
+    READS = ("logprobs", "ref_logprobs", "mask")
 
 
 class ValueLoss(_Stage):
@@ -212,8 +202,7 @@ class ValueLoss(_Stage):
     aggregation: Aggregation = "token"
     """As the policy loss's."""
 
-    def reads(self) -> tuple[str, ...]:
-        return ("returns", "values", "mask")
+    READS = ("returns", "values", "mask")
 
 
 class ActorCritic(_Stage):
