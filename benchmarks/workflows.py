@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -66,8 +67,11 @@ def summarise(run: dict, window: int, threshold: float) -> dict:
 def table(results: dict[str, list[dict]], steps: int) -> tuple[Table, dict]:
     rows: dict[str, dict] = {}
 
-    def median_steps(name: str) -> float:
-        return statistics.median(s["steps_to_threshold"] or steps * 2 for s in results[name])
+    def median_steps(name: str) -> float | None:
+        """Median steps to the threshold; a seed that never reached it counts as beyond the
+        budget (None when most seeds never did)."""
+        med = statistics.median(s["steps_to_threshold"] or math.inf for s in results[name])
+        return None if math.isinf(med) else med
 
     base = median_steps("grpo") if "grpo" in results else None
     t = Table(title="quickstart reward by workflow (start/end: mean of the first/last window)")
@@ -79,7 +83,7 @@ def table(results: dict[str, list[dict]], steps: int) -> tuple[Table, dict]:
             "start": [round(s["start"], 3) for s in runs],
             "end": [round(s["end"], 3) for s in runs],
             "steps_to_threshold": [s["steps_to_threshold"] for s in runs],
-            "steps_vs_grpo": None if not base else med / base,
+            "steps_vs_grpo": None if base is None or med is None else med / base,
             "wall_s": [round(s["wall_s"], 1) for s in runs],
         }
         rows[name] = row
