@@ -18,22 +18,28 @@ from sluice.learner.losses.aggregate import Aggregation, Denominator, aggregate
 from sluice.learner.losses.base import LossOutput
 
 
+def group_mean(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the mean of each sample's group, the group's size), per sample."""
+    n = int(group_index.max()) + 1 if len(group_index) else 0
+    count = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(
+        0, group_index, torch.ones_like(values)
+    )
+    total = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, group_index, values)
+    return (total / count)[group_index], count[group_index]
+
+
 def group_advantages(
     rewards: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-4, normalize_std: bool = True
 ) -> torch.Tensor:
     """(r - mean_group) / (std_group + eps) per sample; `group_index` holds 0..G-1.
     std is the unbiased sample std (a group of one gets advantage 0)."""
-    n_groups = int(group_index.max()) + 1 if len(group_index) else 0
-    ones = torch.ones_like(rewards)
-    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group_index, ones)
-    total = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group_index, rewards)
-    mean = total / count
-    centred = rewards - mean[group_index]
+    mean, size = group_mean(rewards, group_index)
+    centred = rewards - mean
     if not normalize_std:
         return centred
-    sq = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group_index, centred**2)
-    std = torch.sqrt(sq / (count - 1).clamp(min=1))
-    return centred / (std[group_index] + eps)
+    sq = group_mean(centred**2, group_index)[0] * size  # the group's sum of squares
+    std = torch.sqrt(sq / (size - 1).clamp(min=1))
+    return centred / (std + eps)
 
 
 def group_indices(group_ids: Sequence[str]) -> torch.Tensor:

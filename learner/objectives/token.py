@@ -152,10 +152,9 @@ class TokenObjective(Objective[TokenPiece]):
             **{f.name: take_rows(getattr(piece.batch, f.name), index) for f in fields(TokenBatch)}
         )
         width = int(batch.attention_mask.sum(-1).max())
-        trim = {"input_ids": width, "attention_mask": width, "targets": width - 1}
+        trim = {"input_ids": width, "attention_mask": width}
+        trim |= dict.fromkeys(("targets", "completion_mask", "behaviour_logprobs"), width - 1)
         batch = replace(batch, **{k: getattr(batch, k)[:, :w] for k, w in trim.items()})
-        batch = replace(batch, completion_mask=batch.completion_mask[:, : width - 1])
-        batch = replace(batch, behaviour_logprobs=batch.behaviour_logprobs[:, : width - 1])
         data = {k: v[index][:, : width - 1] if v.dim() == 2 else v[index] for k, v in piece.fields.items()}
         return TokenPiece(batch, data)
 

@@ -6,16 +6,7 @@ from __future__ import annotations
 import torch
 
 from sluice.learner.dist import DistContext
-
-
-def group_mean(values: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the mean of each sample's group, the group's size), per sample."""
-    n = int(group_index.max()) + 1 if len(group_index) else 0
-    count = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(
-        0, group_index, torch.ones_like(values)
-    )
-    total = torch.zeros(n, dtype=values.dtype, device=values.device).index_add_(0, group_index, values)
-    return (total / count)[group_index], count[group_index]
+from sluice.learner.losses.grpo import group_mean
 
 
 def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:

@@ -24,13 +24,12 @@ from sluice.config.workflow import (
     ValueLoss,
 )
 from sluice.learner.losses.base import LossOutput, TokenLossInputs
-from sluice.learner.losses.grpo import group_advantages
+from sluice.learner.losses.grpo import group_advantages, group_mean
 from sluice.learner.losses.kl import kl_penalty
 from sluice.learner.losses.ppo import value_loss
 from sluice.learner.losses.registry import TokenLoss, token_loss
 from sluice.learner.stages.advantages import (
     batch_whitened,
-    group_mean,
     masked_whitened,
     rloo_advantages,
     token_gae,
