@@ -6,7 +6,9 @@ loop does the rest, the same for both: wait for the learner's first weights, ask
 control how much may start (catching up to the published weights when asked), have the
 producer make a batch, refund the quota it did not use, PUT the batch or refund it, and report
 liveness and deliveries from a heartbeat thread so the control plane can give back the quota
-of a service that dies. docs/architecture.md ("Rollout services") tells the story.
+of a service that dies. A multi-agent service talks to several policies' learner groups: each
+policy is a `PolicyLink` (its weights, its control plane, its quota), and the loop does all of
+the above per policy. docs/architecture.md ("Rollout services") tells the story.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,32 +53,42 @@ class Producer(Protocol):
 
     group_prefix: str  # set by the loop: the incarnation's id, which starts every group id it makes
 
-    @property
-    def version(self) -> int:
-        """The version of the weights it acts with now."""
+    def version_of(self, policy: str) -> int:
+        """The version of `policy`'s weights it acts with now."""
         ...
 
-    def load_weights(self, update: WeightUpdate) -> None: ...
+    def load_weights(self, policy: str, update: WeightUpdate) -> None: ...
 
-    def request(self) -> tuple[int, int]:
-        """(samples wanted per batch, group size): what to ask admission for."""
+    def request(self) -> dict[str, tuple[int, int]]:
+        """Per policy: (samples wanted per batch, group size), what to ask its admission for."""
         ...
 
-    def produce(self, granted: int, poll_weights: PollWeights) -> Produced | None:
-        """Make at most `granted` trajectories (None: nothing this time). `poll_weights` hands
-        out newer weights for a producer that can take them in the middle of a batch."""
+    def produce(self, granted: Mapping[str, int], polls: Mapping[str, PollWeights]) -> Produced | None:
+        """Make trajectories within `granted` (per policy; None: nothing this time). `polls[p]`
+        hands out newer weights of policy p to a producer that takes them mid-batch."""
         ...
 
     def close(self) -> None: ...
 
 
 @dataclass
+class PolicyLink:
+    """One policy's side of a service: its weights, its learner group's control plane, and
+    how many of its samples the service has PUT (reported in heartbeats)."""
+
+    policy: str
+    weights: WeightFeed
+    control: ControlClient
+    control_endpoint: str
+    delivered: int = 0
+
+
+@dataclass
 class ActorConnections:
     """What one incarnation of a service talks to (`connect` builds it from the config)."""
 
-    weights: WeightFeed
+    links: dict[str, PolicyLink]
     buffer: BufferClient
-    control: ControlClient
     prom: PrometheusEndpoint
     zmq_ctx: zmq.Context | None  # the secure ZeroMQ context, or None (plain sockets)
 
@@ -85,17 +97,28 @@ def connect(
     cfg: RunConfig,
     stop: threading.Event,
     prom: PrometheusEndpoint,
-    weight_feed: Callable[[zmq.Context | None], WeightFeed],
+    weight_feed: Callable[[RunConfig, str, zmq.Context | None], WeightFeed],
+    policies: Mapping[str, RunConfig],
+    service_id: str,
 ) -> ActorConnections:
-    """The buffer, control-plane and weight connections of one service; PUTs give up when the
-    service stops or the learner has shut down."""
+    """The buffer connection and, per policy (`policies`: the config as that policy's roles see
+    it), the control-plane and weight connections (`weight_feed(view, service_id, ctx)`) of one
+    service; PUTs give up when the service
+    stops or every learner group has shut down."""
     zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
-    weights = weight_feed(zmq_ctx)
+    links = {}
+    for policy, view in policies.items():
+        control = ControlClient(
+            view.control.endpoint, ctx=zmq_ctx, patience_s=view.control.learner_patience_s
+        )
+        feed = weight_feed(view, service_id, zmq_ctx)
+        links[policy] = PolicyLink(policy, feed, control, view.control.endpoint)
     buffer = BufferClient(
-        cfg.buffer.all_endpoints(), should_abort=lambda: stop.is_set() or weights.done, ctx=zmq_ctx
+        cfg.buffer.all_endpoints(),
+        should_abort=lambda: stop.is_set() or all(link.weights.done for link in links.values()),
+        ctx=zmq_ctx,
     )
-    control = ControlClient(cfg.control.endpoint, ctx=zmq_ctx, patience_s=cfg.control.learner_patience_s)
-    return ActorConnections(weights, buffer, control, prom, zmq_ctx)
+    return ActorConnections(links, buffer, prom, zmq_ctx)
 
 
 class ActorLoop:
@@ -114,9 +137,8 @@ class ActorLoop:
         self.cfg = cfg
         self.stop = stop
         self.producer = producer
-        self.weights = conn.weights
+        self.links = conn.links
         self.buffer = conn.buffer
-        self.control = conn.control
         self.prom = conn.prom
         self._zmq_ctx = conn.zmq_ctx
         self.wait_for_published = wait_for_published
@@ -124,14 +146,13 @@ class ActorLoop:
         # Accounting identity on the control plane: a restarted service is a new incarnation.
         self.control_id = f"{self.service_id}.{uuid.uuid4().hex[:8]}"
         producer.group_prefix = self.control_id  # so a restarted service never reuses a group id
-        self.delivered = 0  # samples PUT (reported in heartbeats)
         self.batches = 0
         self.totals: dict[str, float] = {"samples": 0.0, "pause_s": 0.0}
         self.metrics_log = JsonlLog(cfg.run_dir / "metrics" / f"{self.service_id}.jsonl")
         self._heartbeat_stop = threading.Event()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         reg = self.prom.registry
-        self._g_version = Gauge("sluice_rollout_version", "Policy version loaded", registry=reg)
+        self._g_version = Gauge("sluice_rollout_version", "Policy version loaded", ["policy"], registry=reg)
         self._c_samples = Counter("sluice_rollout_samples", "Trajectories produced", registry=reg)
         self._c_pause_s = Counter(
             "sluice_rollout_admission_pause_seconds", "Time paused by admission control", registry=reg
@@ -140,150 +161,196 @@ class ActorLoop:
             "sluice_rollout_put_seconds", "Time in PUT (backpressure included)", registry=reg
         )
 
+    @property
+    def delivered(self) -> int:
+        """Samples PUT, every policy's."""
+        return sum(link.delivered for link in self.links.values())
+
+    def live(self) -> list[PolicyLink]:
+        """The policies whose learner group still trains (the others' agents act, untrained)."""
+        return [link for link in self.links.values() if not link.weights.done]
+
     def run(self) -> int:
         record_endpoint(self.cfg.run_dir, self.service_id, metrics_port=self.prom.start())
-        self.weights.start()
+        for link in self.links.values():
+            link.weights.start()
         self._heartbeat.start()
-        if not self._wait_first_weights():
+        if not all(self._wait_first_weights(link) for link in self.links.values()):
             return 1
         while not self.stop.is_set():
-            if self.weights.error is not None:
-                log.error("weight feed failed: %r", self.weights.error)
+            failed = [link for link in self.links.values() if link.weights.error is not None]
+            if failed:
+                log.error("weight feed of %s failed: %r", failed[0].policy, failed[0].weights.error)
                 return 1
-            if self.weights.done:
+            if not self.live():
                 log.info("learner announced shutdown; %s stops", self.service_id)
                 break
             self._apply_new_weights()
             try:
                 self._one_batch()
             except PutAborted:
-                continue  # stopping: the loop condition or the feed's state ends the service
+                continue  # stopping: the loop condition or the feeds' state ends the service
         return 0
 
     def _one_batch(self) -> None:
         granted, pause_s = self._admit()
         self.totals["pause_s"] += pause_s
         self._c_pause_s.inc(pause_s)
-        if granted == 0:
+        if not any(granted.values()):
             return
-        produced = self.producer.produce(granted, self._poll_weights)
+        polls = {policy: self._poller(policy) for policy in self.links}
+        produced = self.producer.produce(granted, polls)
         trajs = produced.trajectories if produced is not None else []
-        if len(trajs) < granted:  # what the producer did not use (skipped, filtered) goes back
-            self.control.refund(self.control_id, granted - len(trajs))
+        trained = [t for t in trajs if t.policy_id in granted]  # a finished policy's are not PUT
+        made = {policy: sum(t.policy_id == policy for t in trained) for policy in granted}
+        self._refund({p: n - made[p] for p, n in granted.items()})  # unused: skipped, filtered
         if produced is None:
             return
         t0 = time.perf_counter()
-        if trajs:
+        if trained:
             try:
-                self.buffer.put(trajs)
+                self.buffer.put(trained)
             except PutAborted:
-                self.control.refund(self.control_id, len(trajs))
+                self._refund(made)
                 raise
-            self.delivered += len(trajs)
-        self._record(produced, pause_s, put_s=time.perf_counter() - t0)
+            for policy, n in made.items():
+                self.links[policy].delivered += n
+        self._record(produced, len(trained), pause_s, put_s=time.perf_counter() - t0)
+
+    def _refund(self, unused: Mapping[str, int]) -> None:
+        for policy, n in unused.items():
+            if n > 0:
+                self.links[policy].control.refund(self.control_id, n)
 
     # -- weights -------------------------------------------------------------------------------
 
-    def _wait_first_weights(self) -> bool:
+    def _wait_first_weights(self, link: PolicyLink) -> bool:
         """Act only with the learner's weights: wait for its first publication."""
         deadline = time.monotonic() + self.cfg.weight_sync.timeout_s
         while not self.stop.is_set() and time.monotonic() < deadline:
-            update = self.weights.wait(timeout_s=1.0)
+            update = link.weights.wait(timeout_s=1.0)
             if update is not None:
-                self._load(update)
-                log.info("%s: loaded initial weights v%d", self.service_id, update.version)
+                self._load(link.policy, update)
+                log.info("%s: loaded initial weights of %s v%d", self.service_id, link.policy, update.version)
                 return True
-            if self.weights.done:
-                log.error("weight feed ended before the first weights: %r", self.weights.error)
+            if link.weights.done:
+                log.error("weight feed ended before the first weights: %r", link.weights.error)
                 return False
         return False
 
-    def _load(self, update: WeightUpdate) -> None:
-        self.producer.load_weights(update)
-        self._g_version.set(update.version)
+    def _load(self, policy: str, update: WeightUpdate) -> None:
+        self.producer.load_weights(policy, update)
+        self._g_version.labels(policy).set(update.version)
 
     def _apply_new_weights(self) -> None:
-        update = self.weights.poll()
-        if update is not None:
-            self._load(update)
-
-    def _poll_weights(self) -> WeightUpdate | None:
-        """Handed to the producer: new weights to take in the middle of a batch, or None."""
-        update = self.weights.poll()
-        if update is not None:
-            self._g_version.set(update.version)
-        return update
-
-    def _catch_up(self, version: int) -> bool:
-        """Wait until the weights of `version` (the newest published) have arrived."""
-        self._apply_new_weights()
-        while self.producer.version < version:
-            if self.stop.is_set() or self.weights.done:
-                return False
-            update = self.weights.wait(timeout_s=0.5)
+        for link in self.links.values():
+            update = link.weights.poll()
             if update is not None:
-                self._load(update)
+                self._load(link.policy, update)
+
+    def _poller(self, policy: str) -> PollWeights:
+        """Handed to the producer: `policy`'s new weights to take mid-batch, or None."""
+        link = self.links[policy]
+
+        def poll() -> WeightUpdate | None:
+            update = link.weights.poll()
+            if update is not None:
+                self._g_version.labels(policy).set(update.version)
+            return update
+
+        return poll
+
+    def _catch_up(self, link: PolicyLink, version: int) -> bool:
+        """Wait until `link`'s weights of `version` (the newest published) have arrived."""
+        self._apply_new_weights()
+        while self.producer.version_of(link.policy) < version:
+            if self.stop.is_set() or link.weights.done:
+                return False
+            update = link.weights.wait(timeout_s=0.5)
+            if update is not None:
+                self._load(link.policy, update)
         return True
 
     # -- admission -----------------------------------------------------------------------------
 
-    def _admit(self) -> tuple[int, float]:
-        """Ask the learner how many samples may start now; pause (taking new weights meanwhile)
-        until some may. Returns (samples granted, seconds paused)."""
-        want, group_size = self.producer.request()
-        if not self.cfg.control.admission:
-            return want, 0.0
+    def _admit(self) -> tuple[dict[str, int], float]:
+        """Ask each live policy's learner how many of its samples may start now, pausing (taking
+        new weights meanwhile) until some may. A policy that grants nothing (stopping, its
+        learner done) means no batch: what the others granted goes back. Returns (samples
+        granted per policy, seconds paused)."""
+        wants = self.producer.request()
         t0 = time.perf_counter()
-        while not self.stop.is_set() and not self.weights.done:
-            reply = self.control.admit(
-                self.control_id, want, group_size, self.cfg.control.admit_wait_ms, delivered=self.delivered
-            )
-            self.weights.observe(reply.weights_version)
+        granted: dict[str, int] = {}
+        for link in self.live():
+            want, group_size = wants[link.policy]
+            n = want if not self.cfg.control.admission else self._admit_one(link, want, group_size)
+            if n == 0:
+                self._refund(granted)
+                return {}, time.perf_counter() - t0
+            granted[link.policy] = n
+        return granted, time.perf_counter() - t0
+
+    def _admit_one(self, link: PolicyLink, want: int, group_size: int) -> int:
+        """Samples of `link`'s policy granted (0: the service stops or the learner is done)."""
+        while not self.stop.is_set() and not link.weights.done:
+            wait_ms = self.cfg.control.admit_wait_ms
+            reply = link.control.admit(self.control_id, want, group_size, wait_ms, delivered=link.delivered)
+            link.weights.observe(reply.weights_version)
             if reply.granted:
                 if not self.wait_for_published:
                     self._apply_new_weights()
-                elif not self._catch_up(reply.weights_version):
-                    self.control.refund(self.control_id, reply.granted)
-                    break
-                return reply.granted, time.perf_counter() - t0
+                elif not self._catch_up(link, reply.weights_version):
+                    link.control.refund(self.control_id, reply.granted)
+                    return 0
+                return reply.granted
             if reply.retry_after_ms:  # a long-polled refusal has waited at the server already
                 time.sleep(reply.retry_after_ms / 1000.0)
             self._apply_new_weights()
-        return 0, time.perf_counter() - t0
+        return 0
 
     # -- heartbeats and metrics ----------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
-        """Liveness for the control plane, independent of how long a batch takes."""
-        client = ControlClient(
-            self.cfg.control.endpoint, timeout_s=max(5.0, self.cfg.control.heartbeat_s), ctx=self._zmq_ctx
-        )
+        """Liveness for each policy's control plane, independent of how long a batch takes."""
+        timeout_s = max(5.0, self.cfg.control.heartbeat_s)
+        clients = {
+            p: ControlClient(link.control_endpoint, timeout_s=timeout_s, ctx=self._zmq_ctx)
+            for p, link in self.links.items()
+        }
         try:
             while not self._heartbeat_stop.is_set():
-                stats = {"version": float(self.producer.version), **self.totals}
-                try:
-                    reply = client.heartbeat(self.control_id, "rollout", stats, delivered=self.delivered)
-                    self.weights.observe(reply.weights_version)
-                except TimeoutError:
-                    log.warning("%s: control plane did not answer a heartbeat", self.service_id)
-                except RpcError as e:  # a bug on either side; liveness must go on
-                    log.error("%s: heartbeat refused: %s", self.service_id, e)
+                for policy, client in clients.items():
+                    self._heartbeat_once(self.links[policy], client)
                 self._heartbeat_stop.wait(self.cfg.control.heartbeat_s)
         finally:
-            client.close()
+            for client in clients.values():
+                client.close()
 
-    def _record(self, produced: Produced, pause_s: float, put_s: float) -> None:
+    def _heartbeat_once(self, link: PolicyLink, client: ControlClient) -> None:
+        stats = {"version": float(self.producer.version_of(link.policy)), **self.totals}
+        try:
+            reply = client.heartbeat(self.control_id, "rollout", stats, delivered=link.delivered)
+            link.weights.observe(reply.weights_version)
+        except TimeoutError:
+            log.warning("%s: control plane of %s did not answer a heartbeat", self.service_id, link.policy)
+        except RpcError as e:  # a bug on either side; liveness must go on
+            log.error("%s: heartbeat refused by %s: %s", self.service_id, link.policy, e)
+
+    def _record(self, produced: Produced, samples: int, pause_s: float, put_s: float) -> None:
         self.batches += 1
-        samples = len(produced.trajectories)
         self.totals["samples"] += samples
         for key, value in produced.totals.items():
             self.totals[key] = self.totals.get(key, 0.0) + value
         self._c_samples.inc(samples)
         self._c_put_s.inc(put_s)
+        versions = (
+            {f"version/{p}": self.producer.version_of(p) for p in self.links} if len(self.links) > 1 else {}
+        )
         self.metrics_log.write(
             {
                 "batch": self.batches,
-                "version": self.producer.version,
+                "version": min(self.producer.version_of(p) for p in self.links),
+                **versions,
                 "samples": samples,
                 "pause_s": pause_s,
                 "put_s": put_s,
@@ -295,9 +362,10 @@ class ActorLoop:
         self._heartbeat_stop.set()
         if self._heartbeat.is_alive():
             self._heartbeat.join(timeout=10)
-        self.weights.stop()
+        for link in self.links.values():
+            link.weights.stop()
+            link.control.close()
         self.buffer.close()
-        self.control.close()
         self.producer.close()
         self.prom.stop()
         self.metrics_log.close()

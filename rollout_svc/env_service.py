@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -72,18 +73,18 @@ class EnvProducer:
             "sluice_rollout_return_mean", "Mean return of the last unroll", registry=registry
         )
 
-    @property
-    def version(self) -> int:
+    def version_of(self, policy: str) -> int:
         return self.actor.version
 
-    def load_weights(self, update: WeightUpdate) -> None:
+    def load_weights(self, policy: str, update: WeightUpdate) -> None:
         self.actor.load_weights(update.tensors, update.version)
 
-    def request(self) -> tuple[int, int]:
-        return self.runner.num_envs, self.runner.num_envs  # one group of num_envs segments
+    def request(self) -> dict[str, tuple[int, int]]:
+        n = self.runner.num_envs
+        return {self.policy_id: (n, n)}  # one group of num_envs segments
 
-    def produce(self, granted: int, poll_weights: PollWeights) -> Produced:
-        """Weights change only between unrolls, so `poll_weights` is not used."""
+    def produce(self, granted: Mapping[str, int], polls: Mapping[str, PollWeights]) -> Produced:
+        """Weights change only between unrolls, so `polls` is not used."""
         t0 = time.perf_counter()
         segments = self.runner.unroll(self.actor)
         unroll_s = time.perf_counter() - t0
@@ -126,10 +127,11 @@ class EnvProducer:
 def build_env_actor(cfg: RunConfig, index: int, stop: threading.Event) -> ActorLoop:
     """Env rollout service `index`: it serves policies[i % n] and talks to that policy's learner
     group only (the policy's view of the config)."""
-    cfg = policy_view(cfg, policy_of_service(cfg, index)[0])
+    policy = policy_of_service(cfg, index)[0]
+    cfg = policy_view(cfg, policy)
     prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("rollout", index))
     producer = EnvProducer(cfg, index, prom.registry)
-    conn = connect(cfg, stop, prom, lambda ctx: receiver_feed(cfg, producer.service_id, ctx))
+    conn = connect(cfg, stop, prom, receiver_feed, {policy: cfg}, producer.service_id)
     return ActorLoop(cfg, index, stop, producer, conn, wait_for_published=True)
 
 

@@ -69,11 +69,12 @@ def single_turn(engine: Engine, scorer: Scorer, req: GroupRequest) -> tuple[list
         if scores is None:
             out.append([])
             continue
-        out.append([_sample(c, score, req.truncated_reward) for c, score in zip(group, scores)])
+        out.append([to_sample(c, score, req.truncated_reward) for c, score in zip(group, scores)])
     return out, scored
 
 
-def _sample(c: Completion, score: Score, truncated_reward: float | None) -> Sample:
+def to_sample(c: Completion, score: Score, truncated_reward: float | None) -> Sample:
+    """A scored completion (a sample cut at its budget gets `truncated_reward` if set)."""
     reward = score.reward if c.finished or truncated_reward is None else truncated_reward
     info = {**score.info, "truncated": not c.finished}
     return Sample(c.token_ids, c.logprobs, c.versions, None, c.finished, reward, info, c.discarded_tokens)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sluice.config.loader import ConfigError
+from sluice.config.rollout import RolloutConfig
 from sluice.config.run import RunConfig
 from sluice.config.workflow_check import effective_workflow
 from sluice.launch.threads import role_threads
@@ -66,11 +68,9 @@ class LLMProducer:
         self.cfg = cfg
         self.service_id = f"rollout-{index}"
         self.group_prefix = self.service_id  # the loop sets its incarnation's id
+        self.policy_id = cfg.learner.policies[0]
         rc = cfg.rollout
-        if rc.engine != "sim":
-            import torch
-
-            torch.set_num_threads(role_threads(rc.torch_threads))
+        limit_engine_threads(cfg)
         self.engine: Engine = build_engine(cfg, rc.seed + 1000 * index)
         self.task: Task = build_task(cfg.task, seed=cfg.run.seed * 7919 + index)
         self.scorer = Scorer(self.task, cfg.task)
@@ -78,17 +78,8 @@ class LLMProducer:
         self.tokenizer = self.engine.tokenizer
         if cfg.model.chat_template is not None:
             self.tokenizer.chat_template = cfg.model.chat_template  # type: ignore[attr-defined]
-        self._check_vocabulary()
-        self.sampling = SamplingParams(
-            rc.max_new_tokens,
-            rc.temperature,
-            rc.on_new_weights,
-            top_p=rc.top_p,
-            top_k=rc.top_k,
-            min_p=rc.min_p,
-            stop=tuple(rc.stop),
-            stop_token_ids=tuple(rc.stop_token_ids),
-        )
+        check_vocabulary(self.task, self.tokenizer)
+        self.sampling = sampling_params(rc)
         self.overlong_prompts = 0  # prompts skipped: no room left to answer
         self._init_metrics(registry)
         self.evaluator = (
@@ -97,16 +88,15 @@ class LLMProducer:
             else None
         )
 
-    @property
-    def version(self) -> int:
+    def version_of(self, policy: str) -> int:
         return self.engine.version
 
-    def load_weights(self, update: WeightUpdate) -> None:
+    def load_weights(self, policy: str, update: WeightUpdate) -> None:
         self.engine.load_weights(update.tensors, update.version)
 
-    def request(self) -> tuple[int, int]:
+    def request(self) -> dict[str, tuple[int, int]]:
         rc = self.cfg.rollout
-        return rc.prompts_per_batch * rc.group_size, rc.group_size
+        return {self.policy_id: (rc.prompts_per_batch * rc.group_size, rc.group_size)}
 
     def _init_metrics(self, reg: CollectorRegistry) -> None:
         self._c_tokens = Counter("sluice_rollout_tokens", "Completion tokens generated", registry=reg)
@@ -128,26 +118,16 @@ class LLMProducer:
             "sluice_rollout_skipped_groups", "Groups dropped after a reward call failed", registry=reg
         )
 
-    def _check_vocabulary(self) -> None:
-        unk = self.tokenizer.unk_token_id
-        missing = {
-            w for w in self.task.vocabulary() if unk in self.tokenizer.encode(w, add_special_tokens=False)
-        }
-        if missing:
-            raise ValueError(
-                f"task {self.task.name!r} writes tokens the model's tokenizer lacks: {sorted(missing)[:20]}"
-            )
-
-    def produce(self, granted: int, poll_weights: PollWeights) -> Produced | None:
+    def produce(self, granted: Mapping[str, int], polls: Mapping[str, PollWeights]) -> Produced | None:
         rc = self.cfg.rollout
         if self.evaluator is not None and self.evaluator.due(self.engine.version):
             self.evaluator.run(self.engine.version, lambda req: self._rollout(req)[0])
-        prompts, prompt_ids = self.sample_prompts(granted // rc.group_size)
+        prompts, prompt_ids = self.sample_prompts(granted[self.policy_id] // rc.group_size)
         if not prompts:
             return None
         t0 = time.perf_counter()
         request = GroupRequest(
-            prompts, prompt_ids, rc.group_size, self.sampling, poll_weights, rc.truncated_reward
+            prompts, prompt_ids, rc.group_size, self.sampling, polls[self.policy_id], rc.truncated_reward
         )
         groups, scored = self._rollout(request)
         t1 = time.perf_counter()
@@ -210,34 +190,50 @@ class LLMProducer:
 
     def build_group(self, prompt: Prompt, prompt_ids: list[int], group: list[Sample]) -> list[Trajectory]:
         group_id = f"{self.group_prefix}/{prompt.prompt_id}"
-        out = []
-        for j, s in enumerate(group):
-            arrays = {
-                "prompt_ids": np.asarray(prompt_ids, dtype=np.int32),
-                "completion_ids": s.completion_ids.astype(np.int32),
-                "behaviour_logprobs": s.logprobs.astype(np.float32),
-                "token_versions": s.versions.astype(np.int32),
-            }
-            if s.loss_mask is not None:
-                arrays["loss_mask"] = s.loss_mask.astype(np.uint8)
-            out.append(
-                Trajectory(
-                    traj_id=f"{group_id}/{j}",
-                    group_id=group_id,
-                    version=s.version if len(s.versions) else self.engine.version,
-                    group_size=len(group),
-                    reward=s.reward,
-                    info={**s.info, "truncated": not s.finished},  # for the learner's overlong filter
-                    arrays=arrays,
-                )
+        return [
+            sample_trajectory(
+                f"{group_id}/{j}", group_id, len(group), self.policy_id, prompt_ids, s, self.engine.version
             )
-        return out
+            for j, s in enumerate(group)
+        ]
 
     def close(self) -> None:
         if self.evaluator is not None:
             self.evaluator.close()
         self.scorer.close()
         self.engine.close()
+
+
+def limit_engine_threads(cfg: RunConfig) -> None:
+    """The service's torch threads (rollout.torch_threads); a sim service imports no torch."""
+    if cfg.rollout.engine != "sim":
+        import torch
+
+        torch.set_num_threads(role_threads(cfg.rollout.torch_threads))
+
+
+def sampling_params(rc: RolloutConfig) -> SamplingParams:
+    """One generation call's knobs, from `rollout.*`."""
+    return SamplingParams(
+        rc.max_new_tokens,
+        rc.temperature,
+        rc.on_new_weights,
+        top_p=rc.top_p,
+        top_k=rc.top_k,
+        min_p=rc.min_p,
+        stop=tuple(rc.stop),
+        stop_token_ids=tuple(rc.stop_token_ids),
+    )
+
+
+def check_vocabulary(task: Task, tokenizer: Any) -> None:
+    """Every token the task writes is in the model's tokenizer (a word-level one lacks most)."""
+    unk = tokenizer.unk_token_id
+    missing = {w for w in task.vocabulary() if unk in tokenizer.encode(w, add_special_tokens=False)}
+    if missing:
+        raise ValueError(
+            f"task {task.name!r} writes tokens the model's tokenizer lacks: {sorted(missing)[:20]}"
+        )
 
 
 def prompt_token_ids(tok: Any, prompt: Prompt) -> list[int]:
@@ -253,6 +249,36 @@ def prompt_token_ids(tok: Any, prompt: Prompt) -> list[int]:
     text = tok.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
     ids = tok.encode(text, add_special_tokens=False)
     return ids if ids[:1] == [tok.bos_token_id] else [tok.bos_token_id, *ids]
+
+
+def sample_trajectory(
+    traj_id: str,
+    group_id: str,
+    group_size: int,
+    policy_id: str,
+    prompt_ids: list[int],
+    s: Sample,
+    version: int,
+) -> Trajectory:
+    """One sample as a trajectory of `policy_id`; `version` tags a sample without tokens."""
+    arrays = {
+        "prompt_ids": np.asarray(prompt_ids, dtype=np.int32),
+        "completion_ids": s.completion_ids.astype(np.int32),
+        "behaviour_logprobs": s.logprobs.astype(np.float32),
+        "token_versions": s.versions.astype(np.int32),
+    }
+    if s.loss_mask is not None:
+        arrays["loss_mask"] = s.loss_mask.astype(np.uint8)
+    return Trajectory(
+        traj_id=traj_id,
+        group_id=group_id,
+        version=s.version if len(s.versions) else version,
+        group_size=group_size,
+        policy_id=policy_id,
+        reward=s.reward,
+        info={**s.info, "truncated": not s.finished},  # for the learner's overlong filter
+        arrays=arrays,
+    )
 
 
 def batch_stats(
@@ -288,7 +314,7 @@ def build_actor(cfg: RunConfig, index: int, stop: threading.Event) -> ActorLoop:
     """LLM rollout service `index`: its producer inside the actor loop."""
     prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("rollout", index))
     producer = LLMProducer(cfg, index, prom.registry)
-    conn = connect(cfg, stop, prom, lambda ctx: weight_feed(cfg, producer.service_id, ctx))
+    conn = connect(cfg, stop, prom, weight_feed, {producer.policy_id: cfg}, producer.service_id)
     # With no staleness slack, a sample begun on older weights is always dropped: wait for them.
     wait = cfg.rollout.wait_for_published_weights or cfg.learner.max_staleness == 0
     return ActorLoop(cfg, index, stop, producer, conn, wait_for_published=wait)

@@ -178,7 +178,7 @@ def test_config_kinds_must_agree():
         load_config(None, ["rollout.kind=env"])
     with pytest.raises(ConfigError, match="vtrace is for classic RL"):
         load_config(None, ["learner.loss.type=vtrace"])
-    with pytest.raises(ConfigError, match="several policies need rollout.kind=env"):
+    with pytest.raises(ConfigError, match="several policies with rollout.kind=llm need a multi-agent task"):
         load_config(None, ["learner.policies=[a, b]"])
     with pytest.raises(ConfigError, match="trained leases are held"):
         load_config(None, ["learner.checkpoint_every=10", "buffer.capacity=1000"])

@@ -59,12 +59,7 @@ class CopyTask(Task):
         return [Prompt(f"eval{i}", " ".join(d) + " =", self.target(list(d))) for i, d in enumerate(chosen)]
 
     def score(self, prompt: Prompt, completion: str, finished: bool) -> Score:
-        target: list[str] = prompt.reference
-        words = completion.split()
-        correct = sum(1 for a, b in zip(words, target) if a == b)
-        stopped_right = finished and len(words) == len(target)
-        reward = (correct + int(stopped_right)) / (len(target) + 1)
-        return Score(reward, {"exact": float(correct == len(target) and stopped_right)})
+        return copy_credit(prompt.reference, completion, finished)
 
     def vocabulary(self) -> set[str]:
         return {*DIGITS, "="}
@@ -75,3 +70,12 @@ class ReverseTask(CopyTask):
 
     def target(self, digits: list[str]) -> list[str]:
         return digits[::-1]
+
+
+def copy_credit(target: list[str], completion: str, finished: bool) -> Score:
+    """Partial credit for writing `target` (module docstring); `exact` when all of it is right."""
+    words = completion.split()
+    correct = sum(1 for a, b in zip(words, target) if a == b)
+    stopped_right = finished and len(words) == len(target)
+    reward = (correct + int(stopped_right)) / (len(target) + 1)
+    return Score(reward, {"exact": float(correct == len(target) and stopped_right)})

@@ -13,8 +13,12 @@ from sluice.rollout_svc.tasks.base import Task
 from sluice.rollout_svc.tasks.calculator import CalculatorTask
 from sluice.rollout_svc.tasks.dataset import DatasetTask
 from sluice.rollout_svc.tasks.digits import CopyTask, ReverseTask
+from sluice.rollout_svc.tasks.duel import DuelTask
+from sluice.rollout_svc.tasks.relay import RelayTask
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (CopyTask, ReverseTask, DatasetTask, CalculatorTask)}
+TASKS: dict[str, type[Task]] = {
+    t.name: t for t in (CopyTask, ReverseTask, DatasetTask, CalculatorTask, RelayTask, DuelTask)
+}
 
 
 def task_class(cfg: TaskConfig) -> type[Task]:

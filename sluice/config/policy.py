@@ -21,14 +21,22 @@ def policy_index(cfg: RunConfig, policy_id: str) -> int:
 
 
 def services_of(cfg: RunConfig, policy_id: str) -> list[int]:
-    """Global indices of the rollout services that serve `policy_id` (service i serves
-    policies[i % len(policies)])."""
-    k, n = policy_index(cfg, policy_id), len(cfg.learner.policies)
-    return [i for i in range(cfg.rollout.services) if i % n == k]
+    """Global indices of the rollout services that serve `policy_id`."""
+    return [i for i in range(cfg.rollout.services) if policy_id in served_policies(cfg, index=i)]
+
+
+def served_policies(cfg: RunConfig, index: int) -> list[str]:
+    """The policies rollout service `index` talks to: with a multi-agent task every service
+    serves every policy (all agents act in each episode); else service i serves
+    policies[i % len(policies)]."""
+    if cfg.task.agents:
+        return list(cfg.learner.policies)
+    return [policy_of_service(cfg, index)[0]]
 
 
 def policy_of_service(cfg: RunConfig, index: int) -> tuple[str, int]:
-    """(policy id, rank of the service among that policy's services) of rollout service `index`."""
+    """(policy id, rank of the service among that policy's services) of rollout service `index`
+    when each service serves one policy."""
     n = len(cfg.learner.policies)
     return cfg.learner.policies[index % n], index // n
 

@@ -16,7 +16,7 @@ from sluice.config.model import ModelConfig
 from sluice.config.ray import RayConfig
 from sluice.config.rollout import RolloutConfig
 from sluice.config.security import SecurityConfig
-from sluice.config.task import TaskConfig
+from sluice.config.task import TaskConfig, check_agents
 from sluice.config.weight_sync import WeightSyncConfig
 from sluice.config.workflow import WorkflowConfig
 from sluice.config.workflow_check import check_no_legacy_knobs, check_workflow, read_workflow_source
@@ -88,11 +88,7 @@ class RunConfig(Section):
                 f"the next checkpoint (up to {held} trajectories with the prefetched batch), more than the "
                 f"buffer holds (buffer.capacity x shards = {self.buffer.capacity * self.buffer.shards})"
             )
-        if self.rollout.kind == "llm" and len(self.learner.policies) > 1:
-            raise ValueError(
-                "learner.policies: several policies need rollout.kind=env (the LLM rollout loop "
-                "serves one policy)"
-            )
+        check_agents(self.task, self.learner.policies, self.rollout.kind)
         return self
 
     @property

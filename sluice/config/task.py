@@ -52,11 +52,34 @@ class EvalConfig(Section):
     """Sampled completions per prompt, under the run's sampling settings (0: none)."""
 
 
+class OpponentPoolConfig(Section):
+    """Earlier versions of a policy that a rollout service keeps to act as an opponent
+    (self-play against the past: docs/multi_agent.md)."""
+
+    every: int = Field(default=5, ge=1)
+    """Keep the weights of every k-th version the service receives (version 0 always)."""
+    size: int = Field(default=4, ge=1)
+    """Versions kept; the oldest goes when a newer one comes."""
+    latest: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Chance that a batch's opponent is the current version instead of one from the pool."""
+
+
+class AgentConfig(Section):
+    """One agent of a multi-agent task: the policy that acts for it."""
+
+    policy: str
+    """A policy id of learner.policies. Its learner group trains on this agent's turns, which
+    go to that policy's stream in the buffer."""
+    opponent_pool: OpponentPoolConfig | None = None
+    """Act with an earlier version of `policy` from a pool the service keeps (self-play). Such
+    an agent's turns are not trained: they were sampled by a version the learner left behind."""
+
+
 class TaskConfig(Section):
     name: PluginRef = "copy"
-    """A built-in task (copy, reverse, dataset, calculator), a name registered under the
-    `sluice.tasks` entry points, or a reference to a Task class: `package.module:Class`,
-    `path/to/file.py:Class`."""
+    """A built-in task (copy, reverse, dataset, calculator; multi-agent: relay, duel), a name
+    registered under the `sluice.tasks` entry points, or a reference to a Task class:
+    `package.module:Class`, `path/to/file.py:Class`."""
     params: dict[str, Any] = {}
     """Task-specific settings, validated by the task's own config model."""
     rewards: list[RewardFnConfig] = []
@@ -66,6 +89,9 @@ class TaskConfig(Section):
     """How the task's score or the reward functions run."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation: greedy and sampled reward on prompts never trained on."""
+    agents: dict[str, AgentConfig] = {}
+    """A multi-agent task's agents (its `agents`, each named once) and the policy acting for
+    each (docs/multi_agent.md). Empty: a single-agent task, served by one policy."""
 
     @field_validator("rewards")
     @classmethod
@@ -75,3 +101,34 @@ class TaskConfig(Section):
         if twice:
             raise ValueError(f"reward names must be unique ({twice} given twice)")
         return rewards
+
+
+def check_agents(task: TaskConfig, policies: list[str], rollout_kind: str) -> None:
+    """Every agent acts for a policy the run trains, and every policy has a trained agent (a
+    policy no agent trains would leave its learner group waiting for samples forever)."""
+    agents = task.agents
+    if not agents:
+        if rollout_kind == "llm" and len(policies) > 1:
+            raise ValueError(
+                f"learner.policies={policies}: several policies with rollout.kind=llm need a "
+                "multi-agent task (task.agents names the policy acting for each agent)"
+            )
+        return
+    if rollout_kind != "llm":
+        raise ValueError("task.agents: multi-agent tasks are LLM tasks (rollout.kind=llm)")
+    if task.rewards or task.eval.every:
+        raise ValueError(
+            "task.agents: a multi-agent task's matches give the rewards (no task.rewards, task.eval)"
+        )
+    for name, agent in agents.items():
+        if agent.policy not in policies:
+            raise ValueError(
+                f"task.agents.{name}.policy: {agent.policy!r} is not in learner.policies={policies}"
+            )
+    trained = {a.policy for a in agents.values() if a.opponent_pool is None}
+    idle = [p for p in policies if p not in trained]
+    if idle:
+        raise ValueError(
+            f"learner.policies: {idle} trained by no agent of task.agents (an agent with an "
+            "opponent_pool acts but is not trained): its learner group would get no samples"
+        )

@@ -258,7 +258,7 @@ class LocalLauncher:
         done = self.learner_restarts.get(policy, 0)
         if not learner_restartable(self.cfg, policy, done, rc):
             return False
-        group = [c for c in self.children if c.spec.kind != "buffer" and c.spec.policy == policy]
+        group = [c for c in self.children if c.spec.kind != "buffer" and c.spec.belongs_to(policy)]
         for c in group:  # rollouts before the new learner counts what the shards hold
             _signal_group(c.proc, signal.SIGKILL)
             c.proc.wait()

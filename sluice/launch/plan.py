@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sluice.config.learner import GroupPorts
-from sluice.config.policy import learner_role, policy_of_service
+from sluice.config.policy import learner_role, served_policies
 from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
 
@@ -31,6 +31,12 @@ class RoleSpec:
     env: dict[str, str] = field(default_factory=dict)  # torchrun's variables for a learner rank
     exits_with_run: bool = False  # ends by itself, with 0, when the learner is done
     restartable: bool = False  # a launcher starts it again when it dies (rollout services)
+    served: tuple[str, ...] = ()  # every policy a rollout service talks to (several: multi-agent)
+
+    def belongs_to(self, policy: str) -> bool:
+        """Whether the role goes down with `policy`'s learner group when that group restarts:
+        its ranks and every rollout service that serves it."""
+        return self.policy == policy or policy in self.served
 
     @property
     def args(self) -> list[str]:
@@ -53,12 +59,23 @@ def plan_roles(cfg: RunConfig) -> list[RoleSpec]:
     roles = [RoleSpec("buffer", k, "", f"buffer-{k}", ray.buffer) for k in range(cfg.buffer.shards)]
     for policy in cfg.learner.policies:
         roles += learner_group(cfg, policy)
-    for i in range(cfg.rollout.services):
-        policy, _ = policy_of_service(cfg, i)
-        roles.append(
-            RoleSpec("rollout", i, policy, f"rollout-{i}", ray.rollout, exits_with_run=True, restartable=True)
-        )
-    return roles
+    return roles + [rollout_spec(cfg, i) for i in range(cfg.rollout.services)]
+
+
+def rollout_spec(cfg: RunConfig, index: int) -> RoleSpec:
+    """Rollout service `index` (also one beyond rollout.services: joining a running system is
+    how it scales out, docs/architecture.md, Rollout service, Membership)."""
+    served = tuple(served_policies(cfg, index))
+    return RoleSpec(
+        "rollout",
+        index,
+        served[0],
+        f"rollout-{index}",
+        cfg.ray.rollout,
+        exits_with_run=True,
+        restartable=True,
+        served=served,
+    )
 
 
 def learner_group(cfg: RunConfig, policy: str) -> list[RoleSpec]:
@@ -102,6 +119,10 @@ def run_role_spec(cfg: RunConfig, spec: RoleSpec, stop: threading.Event) -> int:
         from sluice.rollout_svc.env_service import run_env_rollout
 
         return run_env_rollout(cfg, spec.index, stop)
+    if cfg.task.agents:
+        from sluice.rollout_svc.agents import run_multi_agent_rollout
+
+        return run_multi_agent_rollout(cfg, spec.index, stop)
     from sluice.rollout_svc.service import run_rollout
 
     return run_rollout(cfg, spec.index, stop)
@@ -112,18 +133,7 @@ def find_spec(cfg: RunConfig, kind: RoleKind, index: int = 0, policy: str | None
     --index I`, `sluice learner --policy P` with RANK from the environment)."""
     policy = policy or (cfg.learner.policies[0] if kind == "learner" else None)
     if kind == "rollout" and index >= cfg.rollout.services:
-        # Joining a running system beyond the planned services is how it scales out
-        # (docs/architecture.md, Rollout service, Membership): the same spec, one index on.
-        served, _ = policy_of_service(cfg, index)
-        return RoleSpec(
-            "rollout",
-            index,
-            served,
-            f"rollout-{index}",
-            cfg.ray.rollout,
-            exits_with_run=True,
-            restartable=True,
-        )
+        return rollout_spec(cfg, index)
     for spec in plan_roles(cfg):
         if spec.kind != kind or spec.index != index:
             continue

@@ -396,7 +396,7 @@ class RayLauncher:
         if not learner_restartable(self.cfg, policy, done, rc if isinstance(rc, int) else None):
             return False
         self.learner_restarts[policy] = done + 1
-        group = [q for q in self.placed if q.role != "buffer" and q.spec.policy == policy]
+        group = [q for q in self.placed if q.role != "buffer" and q.spec.belongs_to(policy)]
         self.console.print(
             f"[yellow]{p.name} {error or f'exited {rc}'}; restarting its learner group (and its rollout "
             f"services) from the latest checkpoint ({done + 1}/{self.cfg.learner.max_restarts})"
