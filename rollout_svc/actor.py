@@ -279,11 +279,13 @@ class ActorLoop:
         learner done) means no batch: what the others granted goes back. Returns (samples
         granted per policy, seconds paused)."""
         wants = self.producer.request()
+        live = [link for link in self.live() if link.policy in wants]
+        if not self.cfg.control.admission:
+            return {link.policy: wants[link.policy][0] for link in live}, 0.0
         t0 = time.perf_counter()
         granted: dict[str, int] = {}
-        for link in self.live():
-            want, group_size = wants[link.policy]
-            n = want if not self.cfg.control.admission else self._admit_one(link, want, group_size)
+        for link in live:
+            n = self._admit_one(link, *wants[link.policy])
             if n == 0:
                 self._refund(granted)
                 return {}, time.perf_counter() - t0
