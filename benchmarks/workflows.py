@@ -16,17 +16,16 @@ Prints a table and writes <out>/workflows.json and <out>/workflows.png (reward c
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
+from common import figure, run_in_turn, write_report
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from sluice.metrics import read_jsonl
@@ -94,29 +93,16 @@ def table(results: dict[str, list[dict]], steps: int) -> tuple[Table, dict]:
 
 
 def plot(runs: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colours = {w: f"C{i}" for i, w in enumerate(dict.fromkeys(r["workflow"] for r in runs))}
-    for r in runs:
-        label = r["workflow"] if r["seed"] == min(x["seed"] for x in runs) else None
-        ax.plot(
-            range(1, len(r["rewards"]) + 1),
-            r["rewards"],
-            color=colours[r["workflow"]],
-            alpha=0.7,
-            label=label,
-        )
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("batch reward")
-    ax.set_title("quickstart (copy 3 digits), one line per workflow and seed")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path) as (ax,):
+        colours = {w: f"C{i}" for i, w in enumerate(dict.fromkeys(r["workflow"] for r in runs))}
+        for r in runs:
+            label = r["workflow"] if r["seed"] == min(x["seed"] for x in runs) else None
+            steps = range(1, len(r["rewards"]) + 1)
+            ax.plot(steps, r["rewards"], color=colours[r["workflow"]], alpha=0.7, label=label)
+        ax.set_xlabel("learner step")
+        ax.set_ylabel("batch reward")
+        ax.set_title("quickstart (copy 3 digits), one line per workflow and seed")
+        ax.legend()
 
 
 def main() -> None:
@@ -132,26 +118,18 @@ def main() -> None:
     if args.quick:
         args.steps, args.seeds, args.window = 3, [0], 2
     console = Console()
-    runs: list[dict] = []
-    with tempfile.TemporaryDirectory() as work, Progress(console=console) as progress:
-        task = progress.add_task("runs", total=len(args.workflows) * len(args.seeds))
-        for name in args.workflows:
-            for seed in args.seeds:
-                progress.update(task, description=f"{name} seed {seed}")
-                runs.append(run_one(name, seed, args.steps, Path(work)))
-                progress.advance(task)
+    plan = [(name, seed) for name in args.workflows for seed in args.seeds]
+    runs = run_in_turn(
+        console, [(f"{name} seed {seed}", partial(run_one, name, seed, args.steps)) for name, seed in plan]
+    )
     results: dict[str, list[dict]] = {}
     for r in runs:
         results.setdefault(r["workflow"], []).append(summarise(r, args.window, args.threshold))
     t, rows = table(results, args.steps)
     console.print(t)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {k: getattr(args, k) for k in ("steps", "seeds", "window", "threshold")}
-    (args.out / "workflows.json").write_text(
-        json.dumps({"settings": meta, "workflows": rows, "runs": runs}, indent=1)
-    )
-    plot(runs, args.out / "workflows.png")
-    console.print(f"wrote {args.out / 'workflows.json'} and workflows.png")
+    payload = {"settings": meta, "workflows": rows, "runs": runs}
+    write_report(console, args.out, "workflows", payload, partial(plot, runs))
 
 
 if __name__ == "__main__":

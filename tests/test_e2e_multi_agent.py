@@ -29,9 +29,9 @@ def check_learner(run_dir: Path, suffix: str) -> list[dict]:
     return steps
 
 
-def test_relay_trains_each_agent_on_its_own_policy_exactly_once(tmp_path):
+def test_propose_solve_trains_each_agent_on_its_own_policy_exactly_once(tmp_path):
     run_dir = tmp_path / "run"
-    proc = sluice_run(run_dir, *SMALL, config="multi_agent/relay.yaml")
+    proc = sluice_run(run_dir, *SMALL, config="multi_agent/propose_solve.yaml")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     ids = {}
     for policy, suffix in (("proposer", ""), ("solver", "-solver")):
@@ -41,7 +41,7 @@ def test_relay_trains_each_agent_on_its_own_policy_exactly_once(tmp_path):
         assert all(f"/{policy}/" in i for i in ids[policy])  # its own agent's turns only
     assert not set(ids["proposer"]) & set(ids["solver"])
     rollouts = read_jsonl(run_dir / "metrics" / "rollout-0.jsonl")
-    assert all(r["reward/proposer"] == r["reward/solver"] for r in rollouts)  # the shared reward
+    assert all(r["reward/proposer"] == r["mean/proposer/team"] for r in rollouts)  # the team reward
     assert {"version/proposer", "version/solver"} <= set(rollouts[-1])
     for ckpt in ("checkpoints", "checkpoints-solver"):
         assert (run_dir / ckpt / "latest").exists()

@@ -21,27 +21,41 @@ from sluice.rollout_svc.engines.base import WeightUpdate
 from sluice.rollout_svc.engines.sim import SimEngine
 from sluice.rollout_svc.opponents import OpponentPool
 from sluice.rollout_svc.tasks.duel import DuelConfig, DuelMatch, DuelTask
-from sluice.rollout_svc.tasks.relay import RelayMatch
+from sluice.rollout_svc.tasks.propose_solve import ProposeSolveMatch
 
 ROOT = Path(__file__).resolve().parents[1]
-RELAY = ROOT / "configs" / "multi_agent" / "relay.yaml"
+PROPOSE = ROOT / "configs" / "multi_agent" / "propose_solve.yaml"
 DUEL = ROOT / "configs" / "multi_agent" / "duel.yaml"
 SMALL = ["rollout.prompts_per_batch=2", "rollout.group_size=4"]
 
 
-def test_relay_rewards_both_agents_with_the_solvers_score():
-    match = RelayMatch(["3", "1"])
-    assert match.observe("proposer") == "3 1 ="
-    match.act("proposer", " 7 7 ", True)
-    assert match.observe("solver") == "7 7 ="  # the solver sees the message only
-    match.act("solver", "3 1", True)
+def test_propose_solve_credits_the_problem_and_the_answer():
+    match = ProposeSolveMatch("3", 2, shared=False)
+    assert match.observe("proposer") == "3 ="
+    match.act("proposer", " 3 8 ", True)
+    assert match.observe("solver") == "3 8 ="  # the solver sees the problem only
+    match.act("solver", "3 8", True)
     rewards = match.rewards()
-    assert rewards["proposer"] == rewards["solver"] and rewards["solver"].reward == 1.0
-    wrong = RelayMatch(["3", "1"])
-    wrong.act("proposer", "", True)
-    assert wrong.observe("solver") == "="
-    wrong.act("solver", "3 9", False)  # one digit right, not stopped
-    assert wrong.rewards()["solver"].reward == pytest.approx(1 / 3)
+    assert rewards["proposer"].reward == rewards["solver"].reward == 1.0
+    assert rewards["solver"].info == {"valid": 1.0, "exact": 1.0, "team": 1.0}
+    wrong_start = ProposeSolveMatch("3", 2, shared=False)
+    wrong_start.act("proposer", "5 8", True)  # well formed, wrong first digit: half the problem's credit
+    wrong_start.act("solver", "5 9", False)  # one digit right, not stopped: a third of the answer's
+    rewards = wrong_start.rewards()
+    assert rewards["proposer"].reward == pytest.approx((0.5 + 1 / 3) / 2)
+    assert rewards["solver"].reward == pytest.approx(1 / 3)  # split: the solver's own credit
+
+
+def test_propose_solve_shared_credit_gives_both_the_team_reward():
+    match = ProposeSolveMatch("3", 2, shared=True)
+    match.act("proposer", "3", True)  # too short: no answer credit
+    match.act("solver", "3", True)
+    rewards = match.rewards()
+    assert rewards["proposer"].reward == rewards["solver"].reward == pytest.approx(0.25)
+    empty = ProposeSolveMatch("3", 2, shared=False)
+    empty.act("proposer", "", True)
+    empty.act("solver", "", True)  # nothing to copy is not a solved problem
+    assert empty.rewards()["solver"].reward == 0.0
 
 
 @pytest.mark.parametrize(
@@ -99,7 +113,7 @@ def test_the_opponent_pool_keeps_version_0_and_the_newest_kth_versions():
 )
 def test_multi_agent_configs_are_checked_at_load(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(RELAY, overrides)
+        load_config(PROPOSE, overrides)
 
 
 def producer(tmp_path: Path, path: Path, *overrides: str) -> MultiAgentProducer:
@@ -116,10 +130,10 @@ def weights(tmp_path: Path, path: Path, version: int) -> WeightUpdate:
 
 
 def test_each_agents_turns_go_to_its_own_policy_with_its_own_versions_and_groups(tmp_path):
-    p = producer(tmp_path, RELAY)
+    p = producer(tmp_path, PROPOSE)
     try:
-        p.load_weights("proposer", weights(tmp_path, RELAY, 3))
-        p.load_weights("solver", weights(tmp_path, RELAY, 5))
+        p.load_weights("proposer", weights(tmp_path, PROPOSE, 3))
+        p.load_weights("solver", weights(tmp_path, PROPOSE, 5))
         assert p.request() == {"proposer": (8, 4), "solver": (8, 4)}
         produced = p.produce({"proposer": 8, "solver": 4}, {})  # the smaller grant decides: 1 prompt
         assert produced is not None
@@ -129,22 +143,17 @@ def test_each_agents_turns_go_to_its_own_policy_with_its_own_versions_and_groups
         assert [len(ts) for ts in by_policy.values()] == [4, 4]
         for policy, version in (("proposer", 3), ("solver", 5)):
             ts = by_policy[policy]
-            assert {t.group_id for t in ts} == {f"{p.group_prefix}/r1/{policy}"} and {
+            assert {t.group_id for t in ts} == {f"{p.group_prefix}/propose_solve1/{policy}"} and {
                 t.group_size for t in ts
             } == {4}
             assert all(t.version == version and set(t.arrays["token_versions"]) <= {version} for t in ts)
         tok = p.tokenizer
         for prop, solv in zip(by_policy["proposer"], by_policy["solver"]):  # match j of each group
-            message = tok.decode(prop.arrays["completion_ids"].tolist(), skip_special_tokens=True).strip()
-            assert (
-                tok.decode(solv.arrays["prompt_ids"].tolist(), skip_special_tokens=True)
-                == f"{message} =".strip()
-            )
-            assert prop.reward == solv.reward  # the shared reward
-        assert (
-            produced.record["matches"] == 4
-            and produced.record["reward/solver"] == produced.record["reward/proposer"]
-        )
+            problem = tok.decode(prop.arrays["completion_ids"].tolist(), skip_special_tokens=True).split()
+            seen = tok.decode(solv.arrays["prompt_ids"].tolist(), skip_special_tokens=True)
+            assert seen.split() == [*problem, "="]  # the solver's prompt is the proposer's problem
+            assert prop.info["team"] == solv.info["team"] == prop.reward  # the proposer's is the team's
+        assert produced.record["matches"] == 4 and "reward/solver" in produced.record
     finally:
         p.close()
 
@@ -183,30 +192,30 @@ def test_self_play_in_both_seats_trains_on_both_seats(tmp_path):
         p.close()
 
 
-class RaisingMatch(RelayMatch):
+class RaisingMatch(ProposeSolveMatch):
     def rewards(self):
         raise ZeroDivisionError("the user's scoring")
 
 
 def test_a_match_that_raises_stops_the_service_as_the_users_error(tmp_path, monkeypatch):
-    p = producer(tmp_path, RELAY)
+    p = producer(tmp_path, PROPOSE)
     try:
         for policy in ("proposer", "solver"):
-            p.load_weights(policy, weights(tmp_path, RELAY, 0))
-        monkeypatch.setattr(p.task, "start", lambda prompt: RaisingMatch(list(prompt.reference)))
-        with pytest.raises(UserCodeError, match="task 'relay'.*rewards.*ZeroDivisionError"):
+            p.load_weights(policy, weights(tmp_path, PROPOSE, 0))
+        monkeypatch.setattr(p.task, "start", lambda prompt: RaisingMatch(prompt.reference, 2, shared=True))
+        with pytest.raises(UserCodeError, match="task 'propose_solve'.*rewards.*ZeroDivisionError"):
             p.produce({"proposer": 4, "solver": 4}, {})
     finally:
         p.close()
 
 
 def test_agent_names_must_be_the_tasks(tmp_path):
-    with pytest.raises(ConfigError, match=r"task 'relay' has agents \['proposer', 'solver'\]"):
-        producer(tmp_path, RELAY, "task.agents={a: {policy: proposer}, b: {policy: solver}}")
+    with pytest.raises(ConfigError, match=r"task 'propose_solve' has agents \['proposer', 'solver'\]"):
+        producer(tmp_path, PROPOSE, "task.agents={a: {policy: proposer}, b: {policy: solver}}")
 
 
 def test_every_rollout_service_serves_every_policy_and_restarts_with_each_group():
-    cfg = load_config(RELAY, ["rollout.services=2"])
+    cfg = load_config(PROPOSE, ["rollout.services=2"])
     rollouts = [r for r in plan_roles(cfg) if r.kind == "rollout"]
     assert [r.served for r in rollouts] == [("proposer", "solver")] * 2
     assert all(r.belongs_to("proposer") and r.belongs_to("solver") for r in rollouts)

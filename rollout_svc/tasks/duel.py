@@ -59,17 +59,12 @@ class DuelTask(MultiAgentTask):
     config: DuelConfig
     agents = PLAYERS
 
-    def __init__(self, config: DuelConfig, seed: int) -> None:
-        super().__init__(config, seed)
-        self._count = 0
-
     def sample(self, n: int) -> list[Prompt]:
         out = []
         for _ in range(n):
-            self._count += 1
             hands = {p: [self.rng.choice(DIGITS) for _ in range(self.config.hand)] for p in PLAYERS}
             text = " | ".join(" ".join(h) for h in hands.values())
-            out.append(Prompt(f"d{self._count}", text, hands))
+            out.append(Prompt(self.prompt_id(), text, hands))
         return out
 
     def start(self, prompt: Prompt) -> DuelMatch:

@@ -11,9 +11,11 @@ the task's. docs/multi_agent.md tells the whole story (groups, credit assignment
 
 from __future__ import annotations
 
+import itertools
 from abc import abstractmethod
 from typing import Any, ClassVar
 
+from sluice.config.base import Section
 from sluice.rollout_svc.tasks.base import Prompt, Score, Task
 
 
@@ -41,6 +43,14 @@ class MultiAgentTask(Task):
         agents = getattr(cls, "agents", ())
         if len(set(agents)) != len(agents):
             raise TypeError(f"{cls.__name__}.agents names an agent twice: {agents}")
+
+    def __init__(self, config: Section, seed: int) -> None:
+        super().__init__(config, seed)
+        self._prompts = itertools.count(1)
+
+    def prompt_id(self) -> str:
+        """A new prompt id (unique within the service, it becomes part of the group ids)."""
+        return f"{self.name}{next(self._prompts)}"
 
     @abstractmethod
     def start(self, prompt: Prompt) -> Match:

@@ -14,10 +14,10 @@ from sluice.rollout_svc.tasks.calculator import CalculatorTask
 from sluice.rollout_svc.tasks.dataset import DatasetTask
 from sluice.rollout_svc.tasks.digits import CopyTask, ReverseTask
 from sluice.rollout_svc.tasks.duel import DuelTask
-from sluice.rollout_svc.tasks.relay import RelayTask
+from sluice.rollout_svc.tasks.propose_solve import ProposeSolveTask
 
 TASKS: dict[str, type[Task]] = {
-    t.name: t for t in (CopyTask, ReverseTask, DatasetTask, CalculatorTask, RelayTask, DuelTask)
+    t.name: t for t in (CopyTask, ReverseTask, DatasetTask, CalculatorTask, ProposeSolveTask, DuelTask)
 }
 
 

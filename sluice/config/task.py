@@ -77,7 +77,7 @@ class AgentConfig(Section):
 
 class TaskConfig(Section):
     name: PluginRef = "copy"
-    """A built-in task (copy, reverse, dataset, calculator; multi-agent: relay, duel), a name
+    """A built-in task (copy, reverse, dataset, calculator; multi-agent: propose_solve, duel), a name
     registered under the `sluice.tasks` entry points, or a reference to a Task class:
     `package.module:Class`, `path/to/file.py:Class`."""
     params: dict[str, Any] = {}

@@ -1,0 +1,72 @@
+"""A cooperative two-agent task for tiny models: a proposer writes a problem, a solver solves it.
+
+The proposer is asked for a problem that starts with a given digit (`3 =`) and writes one:
+`length` digits, the first of them that digit (`3 8`). The solver sees only the problem
+(`3 8 =`) and must write it back. Both agents get the same reward (a shared reward), half for
+the problem and half for the answer: the problem's credit is one point for the right first
+digit and one for `length` digits then stop, over two; the answer's is the copy task's
+partial credit (digits.py) for writing a problem of the right length back, 0 for any other
+problem. Each agent's gradient sees the other's half as noise that its group's baseline
+averages out. The required first digit keeps the proposer from settling on one problem the
+solver could answer by heart. Random tiny policies score about 0.05; a pair that learned both
+parts scores 1.0.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from sluice.rollout_svc.tasks.base import Prompt, Score
+from sluice.rollout_svc.tasks.digits import DIGITS, DigitsConfig, copy_credit
+from sluice.rollout_svc.tasks.multi_agent import Match, MultiAgentTask
+
+
+class ProposeSolveMatch(Match):
+    def __init__(self, first: str, length: int, shared: bool) -> None:
+        self.first, self.length, self.shared = first, length, shared
+        self.problem: list[str] = []
+        self.problem_credit = 0.0
+        self.answer: tuple[str, bool] | None = None
+
+    def observe(self, agent: str) -> str:
+        return f"{self.first} =" if agent == "proposer" else " ".join([*self.problem, "="])
+
+    def act(self, agent: str, text: str, finished: bool) -> None:
+        if agent == "proposer":
+            self.problem = text.split()
+            well_formed = finished and len(self.problem) == self.length and set(self.problem) <= set(DIGITS)
+            self.problem_credit = (float(self.problem[:1] == [self.first]) + float(well_formed)) / 2
+        else:
+            self.answer = (text, finished)
+
+    def rewards(self) -> dict[str, Score]:
+        assert self.answer is not None, "the solver has not acted"
+        solved = copy_credit(self.problem, *self.answer) if self.problem else Score(0.0, {"exact": 0.0})
+        answer_credit = solved.reward if len(self.problem) == self.length else 0.0
+        team = (self.problem_credit + answer_credit) / 2
+        info = {"valid": float(self.problem_credit == 1.0), "exact": solved.info["exact"], "team": team}
+        solver = team if self.shared else solved.reward
+        return {"proposer": Score(team, info), "solver": Score(solver, info)}
+
+
+class ProposeSolveConfig(DigitsConfig):
+    credit: Literal["shared", "split"] = "split"
+    """shared: both agents get the team reward. split: the proposer gets the team reward, the
+    solver its answer's credit alone (for any problem it is given), so the proposer's
+    mistakes do not drown the solver's signal."""
+
+
+class ProposeSolveTask(MultiAgentTask):
+    name = "propose_solve"
+    Config = ProposeSolveConfig
+    config: ProposeSolveConfig
+    agents = ("proposer", "solver")
+
+    def sample(self, n: int) -> list[Prompt]:
+        return [Prompt(self.prompt_id(), f"{d} =", d) for d in (self.rng.choice(DIGITS) for _ in range(n))]
+
+    def start(self, prompt: Prompt) -> ProposeSolveMatch:
+        return ProposeSolveMatch(prompt.reference, self.config.length, self.config.credit == "shared")
+
+    def vocabulary(self) -> set[str]:
+        return {*DIGITS, "="}
