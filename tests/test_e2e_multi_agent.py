@@ -14,7 +14,7 @@ from sluice.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
 
-STEPS = 12
+STEPS = 8
 SMALL = (f"learner.total_steps={STEPS}", "learner.audit_consumed=true", "rollout.prompts_per_batch=4")
 
 
@@ -58,5 +58,5 @@ def test_duel_self_play_trains_one_seat_against_past_versions(tmp_path):
     assert all("/first/" in i for i in ids)  # the pool's seat is never trained
     rollouts = read_jsonl(run_dir / "metrics" / "rollout-0.jsonl")
     opponents = {r["opponent_version/second"] for r in rollouts}
-    assert 0 in opponents and opponents <= {0, 3, 6, 9, 12}
+    assert 0 in opponents and opponents <= {0, 3, 6}
     assert all(r["reward/first"] + r["reward/second"] == pytest.approx(1.0) for r in rollouts)
