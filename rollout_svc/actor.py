@@ -79,7 +79,6 @@ class PolicyLink:
     policy: str
     weights: WeightFeed
     control: ControlClient
-    control_endpoint: str
     delivered: int = 0
 
 
@@ -103,8 +102,7 @@ def connect(
 ) -> ActorConnections:
     """The buffer connection and, per policy (`policies`: the config as that policy's roles see
     it), the control-plane and weight connections (`weight_feed(view, service_id, ctx)`) of one
-    service; PUTs give up when the service
-    stops or every learner group has shut down."""
+    service; PUTs give up when the service stops or every learner group has shut down."""
     zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
     links = {}
     for policy, view in policies.items():
@@ -112,7 +110,7 @@ def connect(
             view.control.endpoint, ctx=zmq_ctx, patience_s=view.control.learner_patience_s
         )
         feed = weight_feed(view, service_id, zmq_ctx)
-        links[policy] = PolicyLink(policy, feed, control, view.control.endpoint)
+        links[policy] = PolicyLink(policy, feed, control)
     buffer = BufferClient(
         cfg.buffer.all_endpoints(),
         should_abort=lambda: stop.is_set() or all(link.weights.done for link in links.values()),
@@ -316,7 +314,7 @@ class ActorLoop:
         """Liveness for each policy's control plane, independent of how long a batch takes."""
         timeout_s = max(5.0, self.cfg.control.heartbeat_s)
         clients = {
-            p: ControlClient(link.control_endpoint, timeout_s=timeout_s, ctx=self._zmq_ctx)
+            p: ControlClient(link.control.endpoint, timeout_s=timeout_s, ctx=self._zmq_ctx)
             for p, link in self.links.items()
         }
         try:

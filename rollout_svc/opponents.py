@@ -12,7 +12,6 @@ first receives.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ class OpponentPool:
         self.cfg = cfg
         self.engine = engine  # its own engine: the policy's engine keeps the current weights
         self.rng = random.Random(seed)
-        self.kept: OrderedDict[int, list[tuple[str, Any]]] = OrderedDict()
+        self.kept: dict[int, list[tuple[str, Any]]] = {}  # by version, oldest first
 
     def offer(self, update: WeightUpdate) -> None:
         """A version of the policy arrived: keep a copy if it is one the pool samples."""

@@ -38,6 +38,10 @@ class ControlClient:
         self.patience_s = patience_s
         self._seq = itertools.count(1)
 
+    @property
+    def endpoint(self) -> str:
+        return self.conn.endpoint
+
     def _call_patiently(self, request_type: type, reply_type: type[R], timeout_s: float, **fields) -> R:
         """`_call` with this client's next sequence number, re-sent on time-outs (class docstring)."""
         seq = next(self._seq) if self.patience_s > 0 else 0
