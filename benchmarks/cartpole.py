@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import sluice_run_cmd  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -41,20 +42,15 @@ TARGET = 475.0
 def run_sluice(config: Path, seed: int, run_dir: Path, timeout_s: float, overrides: list[str]) -> dict:
     load_before = os.getloadavg()[0]
     t0 = time.time()
-    cmd = [
-        sys.executable,
-        "-m",
-        "sluice.cli",
-        "run",
-        str(config),
+    cmd = sluice_run_cmd(
+        config,
         f"run.dir={run_dir}",
         f"run.seed={seed}",
         f"env.seed={1000 * seed}",
         f"rollout.seed={seed}",
         f"model.mlp.seed={seed}",
         *overrides,
-        "--no-progress",
-    ]
+    )
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
         code = proc.returncode

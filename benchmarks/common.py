@@ -1,10 +1,12 @@
-"""What the learning benchmarks (workflows.py, multi_agent.py) share: their runs one after
+"""What the learning benchmarks share: the `sluice run` command line, and (workflows.py,
+multi_agent.py) their runs one after
 another (2 cores: never two at once) under a progress bar, in one temporary folder, and the
 JSON and PNG each writes."""
 
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +16,11 @@ from rich.console import Console
 from rich.progress import Progress
 
 Run = Callable[[Path], dict]  # given the work folder, runs one configuration; its results
+
+
+def sluice_run_cmd(config: Path | str, *overrides: str) -> list[str]:
+    """The command line of `sluice run CONFIG OVERRIDES... --no-progress` in this interpreter."""
+    return [sys.executable, "-m", "sluice.cli", "run", str(config), *overrides, "--no-progress"]
 
 
 def run_in_turn(console: Console, runs: list[tuple[str, Run]]) -> list[dict]:

@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import sluice_run_cmd  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -39,19 +40,14 @@ def measure(
 ) -> dict:
     load_before = os.getloadavg()[0]
     t0 = time.time()
-    cmd = [
-        sys.executable,
-        "-m",
-        "sluice.cli",
-        "run",
-        str(config),
+    cmd = sluice_run_cmd(
+        config,
         f"run.dir={run_dir}",
         f"learner.total_steps={steps}",
         f"learner.max_staleness={staleness}",
         "learner.target_return=null",
         *overrides,
-        "--no-progress",
-    ]
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"max_staleness={staleness}: sluice run failed:\n{proc.stderr[-3000:]}")

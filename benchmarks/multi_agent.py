@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
 
-from common import figure, run_in_turn, write_report
+from common import figure, run_in_turn, sluice_run_cmd, write_report
 from rich.console import Console
 from rich.table import Table
 
@@ -39,11 +38,11 @@ INFO = {"propose_solve": ["mean/solver/valid", "mean/solver/exact"], "duel": ["m
 
 def run_one(task: str, seed: int, steps: int, work: Path) -> dict:
     run_dir = work / f"{task}-s{seed}"
-    cmd = [
-        sys.executable, "-m", "sluice.cli", "run", str(ROOT / "configs" / "multi_agent" / f"{task}.yaml"),
+    cmd = sluice_run_cmd(
+        ROOT / "configs" / "multi_agent" / f"{task}.yaml",
         f"run.dir={run_dir}", f"run.seed={seed}", f"model.init.seed={seed}", f"rollout.seed={seed}",
-        f"learner.total_steps={steps}", "learner.audit_consumed=true", "--no-progress",
-    ]  # fmt: skip
+        f"learner.total_steps={steps}", "learner.audit_consumed=true",
+    )  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
     wall = time.perf_counter() - t0

@@ -110,6 +110,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common import sluice_run_cmd  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -329,16 +330,11 @@ def sluice_overrides(task: str, seed: int, model_dir: Path, run_dir: Path, max_s
 
 def run_sluice(spec: dict, progress: Progress) -> dict:
     run_dir = Path(spec["work"]) / f"sluice-{spec['task']}-s{spec['seed']}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "sluice.cli",
-        "run",
-        str(spec["sluice_config"]),
+    cmd = sluice_run_cmd(
+        spec["sluice_config"],
         *sluice_overrides(spec["task"], spec["seed"], spec["model_dir"], run_dir, spec["max_steps"]),
         *spec["sluice_overrides"],
-        "--no-progress",
-    ]
+    )
     watcher = Watcher(progress, f"sluice {spec['task']} seed {spec['seed']}", "reward_mean", "version")
     load_before = os.getloadavg()[0]
     with (Path(spec["work"]) / f"{run_dir.name}.log").open("w") as log:

@@ -19,12 +19,11 @@ import argparse
 import math
 import statistics
 import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
 
-from common import figure, run_in_turn, write_report
+from common import figure, run_in_turn, sluice_run_cmd, write_report
 from rich.console import Console
 from rich.table import Table
 
@@ -36,11 +35,11 @@ LLM_WORKFLOWS = ["grpo", "dapo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "dec
 
 def run_one(workflow: str, seed: int, steps: int, work: Path) -> dict:
     run_dir = work / f"{workflow}-s{seed}"
-    cmd = [
-        sys.executable, "-m", "sluice.cli", "run", str(ROOT / "configs" / "quickstart.yaml"),
+    cmd = sluice_run_cmd(
+        ROOT / "configs" / "quickstart.yaml",
         f"run.dir={run_dir}", "rollout.engine=hf", f"run.seed={seed}", f"model.init.seed={seed}",
-        f"workflow={workflow}", f"learner.total_steps={steps}", "--no-progress",
-    ]  # fmt: skip
+        f"workflow={workflow}", f"learner.total_steps={steps}",
+    )  # fmt: skip
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=1800)
     wall = time.perf_counter() - t0

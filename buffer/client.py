@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from sluice.buffer.holder import Holder
 from sluice.buffer.link import Backoff, Call, Lost, NotSent, ShardLink, wait_all
 from sluice.buffer.placement import Placement, ShardUnavailable, fallback_order, shard_of
 from sluice.buffer.puts import PutAborted, PutBatcher, PutPipeline, PutSender, PutSettings
@@ -126,6 +127,7 @@ class BufferClient:
         seed: int | None = None,
         same_host: str = "auto",
         same_host_min_put_bytes: int | None = None,
+        holder: Holder | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("BufferClient needs at least one shard endpoint")
@@ -141,6 +143,7 @@ class BufferClient:
         self._closed = False
         self.timeout_s = timeout_s
         self.max_batch = max_batch
+        self.holder = holder or Holder.anonymous()  # named on every GET (see buffer/holder.py)
         self.rng = np.random.default_rng(seed)
         self._placement = Placement(self.links)
         settings = PutSettings(
@@ -342,6 +345,8 @@ class BufferClient:
             wait_ms=wait_ms,
             token=link.peer.token if link.peer is not None else "",
             ack=list(ack),
+            holder=self.holder.name,
+            incarnation=self.holder.incarnation,
         )
         call = Call(header, timeout_s=self.timeout_s + wait_ms / 1000.0, peer=link.peer)
         link.send(call)

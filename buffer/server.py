@@ -38,6 +38,7 @@ import xxhash
 import zmq
 
 from sluice.buffer.groups import Group, GroupIncomplete, PutTooLarge, ShardFull
+from sluice.buffer.holder import Holder
 from sluice.buffer.log_records import array_sizes, region_layout
 from sluice.buffer.metrics import ShardMetrics
 from sluice.buffer.same_host import host_id, make_arena, write_token
@@ -45,6 +46,7 @@ from sluice.buffer.segment_log import LogWriteError, NoSuchRegion, RecoveredStat
 from sluice.buffer.segment_maps import SegmentGone
 from sluice.buffer.sockets import recv_frames, send_frames, shard_socket
 from sluice.buffer.stores import FifoStore, ReplayStore, Store, build_store
+from sluice.buffer.stores.fifo import Superseded
 from sluice.config.buffer import BufferConfig
 from sluice.rpc import split_envelope
 from sluice.wire import codec
@@ -471,17 +473,42 @@ class ShardServer:
             raise codec.ProtocolError(
                 "TOO_LARGE", f"ack: {len(req.ack)} leases > max_batch {self.cfg.max_batch}"
             )
+        self._take_over(Holder(req.holder, req.incarnation))
         acked = sum(self._ack(lease_id)[0] for lease_id in req.ack)
         get = ParkedGet(envelope, req, now + req.wait_ms / 1000.0, acked)
         if not self._try_get(get, now, reply_empty=req.wait_ms == 0):
             self.parked.append(get)
+
+    def _take_over(self, holder: Holder) -> None:
+        """A holder's new incarnation: its earlier ones' leases are requeued at once and their
+        parked GETs answered empty (docs/protocol.md, GET)."""
+        try:
+            orphans = self._fifo("GET").take_over(holder)
+        except Superseded as e:
+            raise codec.ProtocolError("SUPERSEDED", str(e)) from None
+        if orphans is None:
+            return
+        for lease in orphans:
+            self.log.pins.release_lease(lease.lease_id)
+        earlier = [p for p in self.parked if p.request.holder == holder.name]
+        self.parked = [p for p in self.parked if p not in earlier]
+        for p in earlier:
+            self._reply(p.envelope, self._empty_get_reply(p))
+        log.info(
+            "shard %d: %s started anew: %d trajectories of its earlier leases requeued, %d parked GETs ended",
+            self.shard,
+            holder.name,
+            sum(lease.size for lease in orphans),
+            len(earlier),
+        )
 
     def _try_get(self, get: ParkedGet, now: float, reply_empty: bool) -> bool:
         """Lease for the GET and reply; or, if nothing is ready and not `reply_empty`, False (the
         caller parks it). Its reply tells what its `ack` deleted and every stale trajectory any
         of its tries dropped (a try that parks drops too)."""
         store, envelope, req = self._fifo("GET"), get.envelope, get.request
-        lease, dropped = store.get(req.max_trajs, req.policy_id, req.min_version, now)
+        holder = Holder(req.holder, req.incarnation)
+        lease, dropped = store.get(req.max_trajs, req.policy_id, req.min_version, now, holder)
         get.dropped += dropped
         self._log_drops()
         if lease is None and not reply_empty:

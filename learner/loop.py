@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from sluice.buffer.client import BufferClient
+from sluice.buffer.holder import Holder
 from sluice.config.policy import checkpoint_root, policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
@@ -136,6 +137,9 @@ class Learner:
             # stale sample holds quota its replacement needs).
             on_dropped=self.control.release,
             ctx=client_ctx,
+            # A new incarnation per start: the shards requeue what a crashed predecessor leased
+            # at its first GET, instead of after buffer.lease_timeout_s.
+            holder=Holder(f"learner/{self.policy_id}"),
         )
         self.broadcaster = WeightBroadcaster(
             cfg.weight_sync, self.dist.device, cfg.model.dtype, zmq_ctx=secure_context(cfg.security, "server")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import zmq
 
 from sluice.buffer.client import BufferClient, LeasedBatch
+from sluice.buffer.holder import Holder
 from sluice.config.learner import LearnerConfig
 
 
@@ -48,8 +49,10 @@ class BatchSource:
         lease_timeout_s: float,
         on_dropped: Callable[[int], None] = lambda n: None,
         ctx: zmq.Context | None = None,
+        holder: Holder | None = None,
     ) -> None:
         self.endpoints = endpoints
+        self.holder = holder  # named on every GET: a restarted learner takes over its leases
         self.on_dropped = on_dropped  # told of samples the shards dropped as stale, per GET
         self.ctx = ctx
         self.lease_timeout_s = lease_timeout_s
@@ -68,7 +71,7 @@ class BatchSource:
             self._thread = threading.Thread(target=self._run, name="batch-prefetch", daemon=True)
             self._thread.start()
         else:
-            self._client = BufferClient(endpoints, ctx=ctx)
+            self._client = BufferClient(endpoints, ctx=ctx, holder=holder)
 
     def request(self, version: int) -> None:
         with self._cond:
@@ -137,7 +140,7 @@ class BatchSource:
         return FetchedBatch(version, min_version, leased, leased_at, time.perf_counter() - t0)
 
     def _run(self) -> None:
-        client = BufferClient(self.endpoints, ctx=self.ctx)
+        client = BufferClient(self.endpoints, ctx=self.ctx, holder=self.holder)
         try:
             while True:
                 with self._cond:

@@ -30,7 +30,7 @@ from sluice.control.client import ControlClient
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.rollout_svc.engines.base import WeightUpdate
 from sluice.rollout_svc.weights import WeightFeed
-from sluice.rpc import RpcError
+from sluice.rpc import RpcAborted, RpcError
 from sluice.security import secure_context
 from sluice.trajectory import Trajectory
 
@@ -71,6 +71,27 @@ class Producer(Protocol):
     def close(self) -> None: ...
 
 
+class ActsWithWeights(Protocol):
+    """What a single-policy producer acts with: an engine, or the env service's MLP actor."""
+
+    version: int
+
+    def load_weights(self, tensors, version: int) -> None: ...
+
+
+class OnePolicy:
+    """A producer's weight methods when it serves one policy and acts with one model."""
+
+    policy_id: str
+    acting: ActsWithWeights
+
+    def version_of(self, policy: str) -> int:
+        return self.acting.version
+
+    def load_weights(self, policy: str, update: WeightUpdate) -> None:
+        self.acting.load_weights(update.tensors, update.version)
+
+
 @dataclass
 class PolicyLink:
     """One policy's side of a service: its weights, its learner group's control plane, and
@@ -106,10 +127,15 @@ def connect(
     zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
     links = {}
     for policy, view in policies.items():
-        control = ControlClient(
-            view.control.endpoint, ctx=zmq_ctx, patience_s=view.control.learner_patience_s
-        )
         feed = weight_feed(view, service_id, zmq_ctx)
+        control = ControlClient(
+            view.control.endpoint,
+            ctx=zmq_ctx,
+            patience_s=view.control.learner_patience_s,
+            # Stopping, or the learner group is over (shut down, or its weight feed broke):
+            # nobody will answer, so a waiting admission or refund gives up at once.
+            should_abort=lambda feed=feed: stop.is_set() or feed.done or feed.error is not None,
+        )
         links[policy] = PolicyLink(policy, feed, control)
     buffer = BufferClient(
         cfg.buffer.all_endpoints(),
@@ -186,7 +212,7 @@ class ActorLoop:
             self._apply_new_weights()
             try:
                 self._one_batch()
-            except PutAborted:
+            except (PutAborted, RpcAborted):
                 continue  # stopping: the loop condition or the feeds' state ends the service
         return 0
 
@@ -217,8 +243,9 @@ class ActorLoop:
 
     def _refund(self, unused: Mapping[str, int]) -> None:
         for policy, n in unused.items():
-            if n > 0:
-                self.links[policy].control.refund(self.control_id, n)
+            link = self.links[policy]
+            if n > 0 and not link.weights.done:  # a finished learner group takes no refunds
+                link.control.refund(self.control_id, n)
 
     # -- weights -------------------------------------------------------------------------------
 

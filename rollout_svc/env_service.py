@@ -21,8 +21,7 @@ from sluice.config.run import RunConfig
 from sluice.launch.threads import role_threads
 from sluice.metrics import PrometheusEndpoint
 from sluice.modeling.policy import load_policy_model, materialize_policy_dir
-from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect, run_actor
-from sluice.rollout_svc.engines.base import WeightUpdate
+from sluice.rollout_svc.actor import ActorLoop, OnePolicy, PollWeights, Produced, connect, run_actor
 from sluice.rollout_svc.envs.gym_runner import GymRunner
 from sluice.rollout_svc.envs.segment import Segment
 from sluice.rollout_svc.weights import receiver_feed
@@ -53,7 +52,7 @@ class MLPActor:
         self.version = version
 
 
-class EnvProducer:
+class EnvProducer(OnePolicy):
     """Makes one batch: unroll the environments `unroll_length` steps with the MLP policy and
     return the segments as one group (every step of a segment has the same version)."""
 
@@ -64,7 +63,7 @@ class EnvProducer:
         self.group_prefix = self.service_id  # the loop sets its incarnation's id
         torch.set_num_threads(role_threads(cfg.rollout.torch_threads))
         model, _ = load_policy_model(cfg, materialize_policy_dir(cfg), torch.device("cpu"))
-        self.actor = MLPActor(model, seed=cfg.rollout.seed + 1000 * index)
+        self.actor = self.acting = MLPActor(model, seed=cfg.rollout.seed + 1000 * index)
         self.runner = GymRunner(cfg.env, seed=cfg.env.seed + 10000 * index)
         self.unrolls = 0
         self._c_steps = Counter("sluice_rollout_env_steps", "Environment steps taken", registry=registry)
@@ -72,12 +71,6 @@ class EnvProducer:
         self._g_return = Gauge(
             "sluice_rollout_return_mean", "Mean return of the last unroll", registry=registry
         )
-
-    def version_of(self, policy: str) -> int:
-        return self.actor.version
-
-    def load_weights(self, policy: str, update: WeightUpdate) -> None:
-        self.actor.load_weights(update.tensors, update.version)
 
     def request(self) -> dict[str, tuple[int, int]]:
         n = self.runner.num_envs

@@ -28,8 +28,8 @@ from sluice.config.run import RunConfig
 from sluice.config.workflow_check import effective_workflow
 from sluice.launch.threads import role_threads
 from sluice.metrics import PrometheusEndpoint
-from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect, run_actor
-from sluice.rollout_svc.engines.base import Engine, SamplingParams, WeightUpdate
+from sluice.rollout_svc.actor import ActorLoop, OnePolicy, PollWeights, Produced, connect, run_actor
+from sluice.rollout_svc.engines.base import Engine, SamplingParams
 from sluice.rollout_svc.engines.registry import build_engine
 from sluice.rollout_svc.episodes import GroupRequest, Sample, multi_turn, single_turn
 from sluice.rollout_svc.evaluation import Evaluator
@@ -60,7 +60,7 @@ class BatchStats:
     version_spans: int  # samples whose tokens came from more than one version
 
 
-class LLMProducer:
+class LLMProducer(OnePolicy):
     """Makes one batch: sample prompts, generate groups, score them, drop zero-variance groups
     if asked, and build trajectories. The actor loop (actor.py) does everything around it."""
 
@@ -72,6 +72,7 @@ class LLMProducer:
         rc = cfg.rollout
         limit_engine_threads(cfg)
         self.engine: Engine = build_engine(cfg, rc.seed + 1000 * index)
+        self.acting = self.engine
         self.task: Task = build_task(cfg.task, seed=cfg.run.seed * 7919 + index)
         self.scorer = Scorer(self.task, cfg.task)
         self.filters = build_filters(effective_workflow(cfg).rollout)
@@ -87,12 +88,6 @@ class LLMProducer:
             if index == 0 and cfg.task.eval.every > 0
             else None
         )
-
-    def version_of(self, policy: str) -> int:
-        return self.engine.version
-
-    def load_weights(self, policy: str, update: WeightUpdate) -> None:
-        self.engine.load_weights(update.tensors, update.version)
 
     def request(self) -> dict[str, tuple[int, int]]:
         rc = self.cfg.rollout

@@ -38,6 +38,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 ConfigArg = Annotated[str, typer.Argument(help="YAML run config")]
 OverridesArg = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. learner.lr=1e-4")]
 NoProgress = Annotated[bool, typer.Option(help="plain output, no progress bar")]
+PolicyOpt = Annotated[str | None, typer.Option(help="policy id (default: the first of learner.policies)")]
 
 
 def _fail(message: str, code: int = EXIT_CONFIG) -> typer.Exit:
@@ -129,14 +130,16 @@ IndexOpt = Annotated[
 
 
 def _run_planned(cfg: RunConfig, kind: RoleKind, index: int, policy: str | None = None) -> typer.Exit:
-    """Run the role of the plan (sluice/launch/plan.py) this command stands for."""
+    """Run the role of the plan (sluice/launch/plan.py) this command stands for, then end the
+    process (exit_process)."""
     from sluice.launch.plan import find_spec, run_role_spec
+    from sluice.launch.role import exit_process
 
     try:
         spec = find_spec(cfg, kind, index, policy)
     except ValueError as e:
         return _fail(f"config error: {e}")
-    return typer.Exit(run_role(spec.name, lambda stop: run_role_spec(cfg, spec, stop)))
+    exit_process(run_role(spec.name, lambda stop: run_role_spec(cfg, spec, stop)))
 
 
 @app.command()
@@ -157,9 +160,7 @@ def rollout(config: ConfigArg, overrides: OverridesArg = None, index: IndexOpt =
 def learner(
     config: ConfigArg,
     overrides: OverridesArg = None,
-    policy: Annotated[
-        str | None, typer.Option(help="policy id (default: the first of learner.policies)")
-    ] = None,
+    policy: PolicyOpt = None,
 ) -> None:
     """Run one rank of a learner group (RANK/WORLD_SIZE/MASTER_* from the environment, as
     torchrun sets them; unset: a group of one)."""

@@ -4,7 +4,7 @@ Client side, `RpcConnection`:
 - A DEALER, connected (never bound) to the server's ROUTER. Sends `[b"", header, payload...]`.
 - Every request carries an id; a reply with another id (the late answer to a request that
   timed out) is discarded. No request waits longer than its timeout, to be sent or answered:
-  `RpcTimeout`.
+  `RpcTimeout`. A caller that may stop first passes `abort`: `RpcAborted` once it is true.
 - An error reply raises `RpcError` with the server's code, message and retry hint.
 - Not thread-safe: one connection per thread.
 
@@ -28,6 +28,7 @@ from sluice.wire import codec
 from sluice.wire.messages import ErrorReply
 
 log = logging.getLogger(__name__)
+ABORT_CHECK_S = 0.1  # how often a waiting request asks its `abort`
 
 
 class RpcError(RuntimeError):
@@ -43,6 +44,10 @@ class RpcError(RuntimeError):
 
 class RpcTimeout(TimeoutError):
     """No reply within the timeout."""
+
+
+class RpcAborted(RuntimeError):
+    """The caller's `abort` turned true while the request waited for its reply."""
 
 
 class RpcConnection:
@@ -65,8 +70,16 @@ class RpcConnection:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def request(self, header, payload: Sequence[codec.Frame] = (), timeout_s: float = 30.0):
-        """Send and wait for the matching reply. Returns (reply, payload frames)."""
+    def request(
+        self,
+        header,
+        payload: Sequence[codec.Frame] = (),
+        timeout_s: float = 30.0,
+        abort: Callable[[], bool] | None = None,
+    ):
+        """Send and wait for the matching reply. Returns (reply, payload frames). `abort` is
+        asked every ABORT_CHECK_S while waiting: true raises RpcAborted (a stopping caller
+        does not wait out a long time-out)."""
         deadline = time.monotonic() + timeout_s
         # A DEALER whose connection was refused (e.g. a CURVE handshake failed) has no pipe, and
         # a plain send would block forever: the send gets the request's timeout too.
@@ -80,11 +93,16 @@ class RpcConnection:
             ) from None
         while True:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self.sock.poll(remaining_ms, zmq.POLLIN):
+            if remaining_ms <= 0:
                 raise RpcTimeout(
                     f"{self.name} at {self.endpoint}: no reply to {type(header).__name__} "
                     f"within {timeout_s:.1f}s"
                 )
+            slice_ms = remaining_ms if abort is None else min(remaining_ms, int(ABORT_CHECK_S * 1000))
+            if not self.sock.poll(slice_ms, zmq.POLLIN):
+                if abort is not None and abort():
+                    raise RpcAborted(f"{self.name} at {self.endpoint}: {type(header).__name__} abandoned")
+                continue
             frames = self.sock.recv_multipart(copy=False)
             if frames and len(frames[0]) == 0:
                 frames = frames[1:]

@@ -11,8 +11,9 @@ from helpers.groups import make_group
 from helpers.wait import wait_until
 from helpers.wire import RawPeer
 
-from sluice.buffer.client import BufferClient, BufferError
-from sluice.buffer.stores.fifo import FifoStore, GroupIncomplete, ShardFull
+from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
+from sluice.buffer.holder import Holder
+from sluice.buffer.stores.fifo import FifoStore, GroupIncomplete, ShardFull, Superseded
 from sluice.trajectory import Trajectory, to_wire_batch
 from sluice.wire import codec
 
@@ -62,6 +63,30 @@ def test_lease_hooks_the_shard_asks():
     restored = FifoStore(capacity=100, lease_timeout_s=10)
     restored.restore_settled(s.settled_snapshot())
     assert restored.settled == {lease.lease_id: 2}
+
+
+def test_a_holders_new_incarnation_takes_over_its_earlier_leases_at_once():
+    s = FifoStore(capacity=100, lease_timeout_s=60)
+    for gid in "abc":
+        put(s, group(gid, 0))
+    first, second = Holder("learner/default", "one"), Holder("learner/default", "two")
+    old_a, _ = s.get(2, "default", 0, now=0.0, holder=first)
+    old_b, _ = s.get(2, "default", 0, now=0.0, holder=first)
+    other, _ = s.get(2, "default", 0, now=0.0, holder=Holder("learner/other", "x"))
+    assert s.take_over(first) is None  # the same incarnation again: nothing happens
+    assert s.take_over(Holder.anonymous()) is None
+    orphans = s.take_over(second)
+    assert orphans is not None and {lease.lease_id for lease in orphans} == {old_a.lease_id, old_b.lease_id}
+    assert set(s.leases) == {other.lease_id}  # another holder's lease stays
+    assert s.counters.taken_over_trajs == 4 and s.stats()["taken_over"] == 4
+    lease, _ = s.get(4, "default", 0, now=1.0, holder=second)  # at once, in their order
+    assert [g.group_id for g in lease.groups] == ["a", "b"]
+    with pytest.raises(KeyError):
+        s.ack(old_a.lease_id)  # the dead incarnation's lease can no longer be ACKed
+    assert s.take_over(second) is None
+    with pytest.raises(Superseded):  # the replaced incarnation (a learner thought dead) is refused
+        s.take_over(first)
+    assert s.incarnations["learner/default"] == "two"
 
 
 def test_groups_are_never_split():
@@ -142,6 +167,49 @@ def test_long_poll_get_returns_when_data_arrives(shard_factory):
         assert len(got["b"].trajs) == 2
         empty = consumer.get(2, wait_ms=50)  # nothing left: an empty reply after the wait
         assert empty.trajs == [] and empty.leases == []
+
+
+def get_or_error(client: BufferClient, n: int, wait_ms: int) -> LeasedBatch | BufferError:
+    try:
+        return client.get(n, wait_ms=wait_ms)
+    except BufferError as e:
+        return e
+
+
+def test_a_restarted_consumer_gets_what_its_earlier_life_held_without_waiting(shard_factory):
+    """A learner killed with leases and a parked GET: its next life's first GET (a new
+    incarnation of the same holder) finds those groups requeued, not held for lease_timeout_s;
+    the dead life's parked GET is answered empty; an anonymous client is never taken over."""
+    shard = shard_factory(lease_timeout_s=600)
+    holder = "learner/default"
+    with BufferClient([shard.endpoint], timeout_s=5) as producer:
+        producer.put(group("a", 0) + group("b", 0))
+        dead = BufferClient([shard.endpoint], timeout_s=5, holder=Holder(holder, "first"))
+        anonymous = BufferClient([shard.endpoint], timeout_s=5)
+        try:
+            held = dead.get(2)
+            assert [t.group_id for t in held.trajs] == ["a", "a"]
+            assert anonymous.get(2).trajs[0].group_id == "b"
+            parked: dict = {}
+            waiter = threading.Thread(
+                target=lambda: parked.setdefault("batch", get_or_error(dead, 2, 30_000))
+            )
+            waiter.start()
+            wait_until(lambda: producer.stats()[0].stats["parked_gets"] == 1, 5, "the GET parked")
+            with BufferClient([shard.endpoint], timeout_s=5, holder=Holder(holder, "second")) as resumed:
+                batch = resumed.get(4)
+                assert [t.traj_id for t in batch.trajs] == [t.traj_id for t in held.trajs]
+                waiter.join(timeout=5)
+                assert not waiter.is_alive() and isinstance(parked["batch"], BufferError)
+                assert parked["batch"].code == "SUPERSEDED"  # its retry after the empty answer
+                with pytest.raises(BufferError, match="UNKNOWN_LEASE"):
+                    dead.ack(held)
+                stats = producer.stats()[0].stats
+                assert stats["taken_over"] == 2 and stats["leases"] == 2  # resumed's and anonymous's
+                assert resumed.ack(batch) == 2
+        finally:
+            dead.close()
+            anonymous.close()
 
 
 def test_full_shard_pushes_back(shard_factory):

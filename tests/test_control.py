@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import msgspec
 import pytest
@@ -13,7 +14,7 @@ from helpers.wire import RawPeer, raw_request
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.client import ControlClient
 from sluice.control.server import ControlServer
-from sluice.rpc import RpcError
+from sluice.rpc import RpcAborted, RpcError
 
 
 def test_admission_rule_by_hand():
@@ -203,6 +204,34 @@ def test_a_paused_learner_is_waited_for_and_a_re_sent_admit_is_granted_once(cont
         assert server.admission.started == 4 == server.admission.per_service["rollout-0.a"]
         client.refund("rollout-0.a", 4)
         assert server.admission.started == 0
+    finally:
+        client.close()
+
+
+def test_a_patient_call_gives_up_at_once_when_its_caller_stops(control):
+    """A service stopping (SIGTERM) or whose learner group is over does not wait out a long
+    patience: the waiting ADMIT raises RpcAborted within ABORT_CHECK_S of `should_abort`."""
+    server, _ = control
+    stopping = threading.Event()
+    client = ControlClient(server.endpoint, timeout_s=10, patience_s=300, should_abort=stopping.is_set)
+    raised: list = []
+
+    def admit() -> None:
+        try:
+            client.admit("rollout-0.a", 4, 4)
+        except RpcAborted as e:
+            raised.append(e)
+
+    try:
+        with server._lock:  # the learner does not answer
+            thread = threading.Thread(target=admit)
+            thread.start()
+            thread.join(0.5)
+            assert thread.is_alive()
+            stopping.set()
+            t0 = time.monotonic()
+            thread.join(5)
+            assert not thread.is_alive() and raised and time.monotonic() - t0 < 1.0
     finally:
         client.close()
 

@@ -49,11 +49,15 @@ def test_two_policies_train_in_one_run_on_their_own_streams(tmp_path):
     assert {"learner", "learner-right"} <= {p.stem for p in (run_dir / "endpoints").glob("*.json")}
 
 
-def test_deepspeed_zero2_two_ranks_train_the_quickstart_task(tmp_path):
+def test_deepspeed_zero2_two_ranks_run_the_quickstart_task(tmp_path):
+    """The actor-learner path with a DeepSpeed group of 2 ranks: batches split over the ranks,
+    weights published from the partitioned optimizer, a DeepSpeed checkpoint. That its update
+    equals one process's is test_learner_group.py's (ZeRO-2 and -3); that the quickstart learns,
+    test_e2e_local.py's."""
     run_dir = tmp_path / "run"
     proc = sluice_run(
         run_dir,
-        "learner.total_steps=100",
+        "learner.total_steps=30",
         "learner.ranks=2",
         "learner.backend=deepspeed",
         "learner.zero_stage=2",
@@ -61,11 +65,9 @@ def test_deepspeed_zero2_two_ranks_train_the_quickstart_task(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
-    assert [s["version"] for s in steps] == list(range(1, 101))
-    first = sum(s["reward_mean"] for s in steps[:15]) / 15
-    last = sum(s["reward_mean"] for s in steps[-15:]) / 15
-    assert last > first + 0.03, (first, last)
+    assert [s["version"] for s in steps] == list(range(1, 31))
+    assert all(s["grad_norm"] > 0 and s["samples"] == 128 for s in steps)
     assert all(s["staleness_max"] <= 2 for s in steps) and steps[-1]["total_violations"] == 0
-    ckpt = run_dir / "checkpoints" / "step_000100"
+    ckpt = run_dir / "checkpoints" / "step_000030"
     assert (ckpt / "model.safetensors").is_file() and (ckpt / "deepspeed").is_dir()
     assert {"learner", "learner-r1"} <= {p.stem for p in (run_dir / "endpoints").glob("*.json")}

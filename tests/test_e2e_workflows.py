@@ -21,6 +21,7 @@ STEPS = 3
 def test_an_llm_workflow_runs_end_to_end(tmp_path, name):
     run_dir = tmp_path / "run"
     small = ("learner.batch_size=32", "rollout.prompts_per_batch=2", "buffer.capacity=256")
+    small += ("rollout.services=1",)  # a process less to start: this checks the workflow, not scaling
     proc = sluice_run(run_dir, f"workflow={name}", f"learner.total_steps={STEPS}", *small)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")

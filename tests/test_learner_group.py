@@ -84,10 +84,15 @@ def run_group(tmp: Path, name: str, ranks: int, **learner) -> tuple[dict, list]:
 
 
 def assert_same_update(
-    a: tuple[dict, list], b: tuple[dict, list], tol: float, keys: tuple[str, ...] = ()
+    a: tuple[dict, list],
+    b: tuple[dict, list],
+    tol: float,
+    keys: tuple[str, ...] = (),
+    param_tol: float | None = None,
 ) -> None:
     """Same statistics (the gradient norm is the scale-sensitive one: Adam's update is nearly
-    invariant to a gradient scale) and the same parameters after the steps."""
+    invariant to a gradient scale) and the same parameters after the steps (within `param_tol`,
+    default `tol`)."""
     (pa, sa), (pb, sb) = a, b
     for step_a, step_b in zip(sa, sb):
         for key in ("grad_norm", "policy_loss", "clip_frac", *(keys or ("is_weight_mean",))):
@@ -98,7 +103,7 @@ def assert_same_update(
             )
     assert pa.keys() == pb.keys()
     worst = max(float((pa[k] - pb[k]).abs().max()) for k in pa)
-    assert worst < tol, f"max |param diff| {worst}"
+    assert worst < (tol if param_tol is None else param_tol), f"max |param diff| {worst}"
 
 
 @pytest.fixture(scope="module")
@@ -119,10 +124,14 @@ def test_ddp_two_ranks_equals_one_rank_on_the_whole_batch(tmp_path, single):
 
 
 @pytest.mark.slow
-def test_deepspeed_zero3_two_ranks_equals_one_rank_on_the_whole_batch(tmp_path, single):
-    """ZeRO-3 partitions parameters, gradients and optimizer state (gathered for the result)."""
-    zero3 = run_group(tmp_path, "zero3", ranks=2, micro_batches=2, backend="deepspeed", zero_stage=3)
-    assert_same_update(single, zero3, tol=1e-5)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_two_ranks_equals_one_rank_on_the_whole_batch(tmp_path, single, stage):
+    """ZeRO-2 partitions gradients and optimizer state; ZeRO-3 the parameters too (gathered for
+    the result)."""
+    zero = run_group(
+        tmp_path, f"zero{stage}", ranks=2, micro_batches=2, backend="deepspeed", zero_stage=stage
+    )
+    assert_same_update(single, zero, tol=1e-5)
 
 
 @pytest.mark.slow
@@ -132,5 +141,9 @@ def test_a_critic_trained_by_two_ranks_equals_one_rank(tmp_path):
     advantages, so the policy's parameters check the critic's first update too."""
     one = run_group(tmp_path, "one", ranks=1, workflow="ppo_critic")
     two = run_group(tmp_path, "two", ranks=2, micro_batches=2, workflow="ppo_critic")
-    assert_same_update(one, two, tol=1e-5, keys=("value_loss", "critic_grad_norm"))
+    # Parameters within 1% of one Adam step (lr 1e-2): a critic weight whose gradient is near 0
+    # moves by lr * g / (|g| + eps), which turns the ranks' different summation order into
+    # differences of ~1e-5 (seen: 1.1e-5). A missing or doubled gradient share moves it by ~lr,
+    # and the statistics above (critic_grad_norm to 1e-5) catch any gradient scale.
+    assert_same_update(one, two, tol=1e-5, keys=("value_loss", "critic_grad_norm"), param_tol=1e-4)
     assert all(step["critic_grad_norm"] > 0 for step in one[1])

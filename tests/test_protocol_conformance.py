@@ -20,19 +20,16 @@ from sluice.wire import messages
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 MAX_BATCH = 8
-# The doc's dtype list with item sizes (not codec.DTYPES: this client knows only the doc).
-DTYPE_SIZES = {
-    "bool": 1,
-    "int8": 1,
-    "uint8": 1,
-    "int16": 2,
-    "int32": 4,
-    "int64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-}
+
+
+def doc_dtypes() -> dict[str, int]:
+    """The dtype names of the doc's array table (not codec.DTYPES: this client knows only the
+    doc), each with its item size in bytes read from the name (`int16`: 2; `bool` is one byte)."""
+    names = re.search(r"one of `([a-z0-9 ]+)`", DOC.read_text()).group(1).split()  # type: ignore[union-attr]
+    return {n: 1 if n == "bool" else int(re.search(r"\d+$", n).group()) // 8 for n in names}  # type: ignore[union-attr]
+
+
+DTYPE_SIZES = doc_dtypes()
 ERROR_KEYS = {"proto", "op", "id", "ok", "code", "message", "retry_after_ms"}
 COMMON = {"proto", "op", "id", "ok"}
 
@@ -435,6 +432,26 @@ def test_get_with_ack_settles_first(fifo):
     assert_error(fifo.request(header("GET", 4, max_trajs=2, ack=["nope"])), "UNKNOWN_LEASE", 4, "nope")
     second = fifo.request(header("GET", 5, max_trajs=2, ack=[first["lease_id"]]))
     assert second["acked"] == 2 and [t["group_id"] for t in second["trajs"]] == ["b"]
+
+
+def test_a_holders_new_incarnation_takes_over_and_the_old_one_is_superseded(fifo):
+    """GET: "When a shard sees a holder's GET with another `incarnation` than the last one it saw
+    for that holder, ... the shard returns every lease the holder's earlier incarnations hold to
+    the front of their queues"; "Those leases can no longer be ACKed (`UNKNOWN_LEASE`)"; "A GET
+    from a replaced incarnation ... is refused with `SUPERSEDED` and changes nothing"."""
+    put_group(fifo, "a", size=2)
+    put_group(fifo, "b", id=2)
+    old = fifo.request(header("GET", 3, max_trajs=2, holder="learner/p", incarnation="1"))
+    anon = fifo.request(header("GET", 4, max_trajs=2))
+    assert [t["traj_id"] for t in old["trajs"]] == ["a/0", "a/1"] and anon["trajs"][0]["group_id"] == "b"
+    new = fifo.request(header("GET", 5, max_trajs=2, holder="learner/p", incarnation="2"))
+    assert [t["traj_id"] for t in new["trajs"]] == ["a/0", "a/1"]
+    assert_error(fifo.request(header("ACK", 6, lease_id=old["lease_id"])), "UNKNOWN_LEASE", 6)
+    assert_error(
+        fifo.request(header("GET", 7, max_trajs=2, holder="learner/p", incarnation="1")), "SUPERSEDED", 7
+    )
+    stats = fifo.request(header("STATS", 8))["stats"]
+    assert stats["taken_over"] == 2 and stats["leases"] == 2  # the new incarnation's and anon's
 
 
 def test_ack_and_nack_replies(fifo):

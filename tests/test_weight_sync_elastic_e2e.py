@@ -79,6 +79,9 @@ def test_rollout_killed_and_another_started_while_training_continues(tmp_path, p
     wait_until(
         follows_over_the_group, 240, "the new service following the learner", interval_s=0.25, check=alive
     )
+    # Training goes on past the membership change (the newcomer may follow within a step or two).
+    more = lambda: len(steps()) > killed_at + 5  # noqa: E731
+    wait_until(more, 120, "5 more learner steps", interval_s=0.25, check=alive)
     learner = procs.pop("learner")
     learner.send_signal(signal.SIGTERM)
     assert learner.wait(timeout=120) == 0, (run_dir / "logs" / "learner.log").read_text()[-3000:]

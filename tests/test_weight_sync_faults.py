@@ -12,7 +12,7 @@ import torch
 from helpers.wait import wait_until
 from helpers.weight_sync_env import SyncEnv, model_digest, perturb, small_cfg
 
-from sluice.weight_sync.announcements import HEAD_KEY, sums_key
+from sluice.weight_sync.announcements import HEAD_KEY, ann_key
 from sluice.weight_sync.broadcaster import WeightBroadcaster
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,7 @@ def publish_in_thread(env: SyncEnv, version: int, model: torch.nn.Module) -> tup
 
 def wait_first_bucket(env: SyncEnv, seq: int, timeout_s: float = 20.0) -> None:
     check = env.broadcaster.store.check
-    wait_until(lambda: check([sums_key(seq)]), timeout_s, "the publish sending", interval_s=0.001)
+    wait_until(lambda: check([ann_key(seq, "sums")]), timeout_s, "the publish sending", interval_s=0.001)
 
 
 def test_background_confirmation_reports_every_version_and_survives_a_killed_receiver(env_factory, tmp_path):

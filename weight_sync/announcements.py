@@ -27,6 +27,8 @@ behind joins again (pulls the current version, then waits for an epoch that list
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from sluice.weight_sync.layout import Bucket
@@ -37,32 +39,20 @@ TRANSFER_KEY = "ws/transfer"
 CONTROL_KEY = "ws/control"
 
 
-def ann_key(seq: int) -> str:
-    return f"ws/ann/{seq}"
+def ann_key(seq: int, part: Literal["sums"] | None = None) -> str:
+    """`ws/ann/<seq>`, or with part="sums" the announced checksum words that go with it."""
+    return f"ws/ann/{seq}" if part is None else f"ws/ann/{seq}/{part}"
 
 
-def sums_key(seq: int) -> str:
-    return f"ws/ann/{seq}/sums"
+EpochPart = Literal["ready", "commit", "abort", "beat", "pg"]
 
 
-def ready_key(epoch: int, service_id: str) -> str:
-    return f"ws/ep{epoch}/ready/{service_id}"
-
-
-def commit_key(epoch: int) -> str:
-    return f"ws/ep{epoch}/commit"
-
-
-def abort_key(epoch: int) -> str:
-    return f"ws/ep{epoch}/abort"
-
-
-def beat_key(epoch: int, rank: int) -> str:
-    return f"ws/ep{epoch}/beat/{rank}"
-
-
-def pg_prefix(epoch: int) -> str:
-    return f"ws/ep{epoch}/pg/"
+def epoch_key(epoch: int, part: EpochPart, member: object = None) -> str:
+    """`ws/ep<e>/<part>`, or `ws/ep<e>/<part>/<member>` for a candidate's ready key (member: its
+    service id) or a rank's beat counter (member: the rank). `epoch_key(e, "pg", "")` is the
+    prefix under which torch.distributed keeps the epoch's process-group keys."""
+    key = f"ws/ep{epoch}/{part}"
+    return key if member is None else f"{key}/{member}"
 
 
 class EpochAnnouncement(msgspec.Struct, tag="epoch", tag_field="kind", forbid_unknown_fields=True):

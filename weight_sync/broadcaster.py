@@ -30,14 +30,9 @@ from sluice.weight_sync.announcements import (
     EpochCommit,
     ShutdownAnnouncement,
     WeightsAnnouncement,
-    abort_key,
     ann_key,
-    beat_key,
-    commit_key,
     encoder,
-    pg_prefix,
-    ready_key,
-    sums_key,
+    epoch_key,
 )
 from sluice.weight_sync.buffers import BufferPool
 from sluice.weight_sync.checksums import WIRE_CHECKSUMS, XXH3, piece_wsum
@@ -82,7 +77,7 @@ class _Liveness:
 
     def __init__(self, store: TCPStore, group: BroadcastGroup, timeout_s: float) -> None:
         self.store = store
-        self.keys = {rank: beat_key(group.epoch, rank) for rank in range(1, group.world_size)}
+        self.keys = {rank: epoch_key(group.epoch, "beat", rank) for rank in range(1, group.world_size)}
         self.timeout_s = timeout_s
         now = time.monotonic()
         self.seen: dict[int, tuple[int, float]] = {rank: (-1, now) for rank in self.keys}
@@ -432,7 +427,7 @@ class WeightBroadcaster:
         assert store is not None, "start() first"
 
         def append(i: int, bucket_sums: list[int]) -> None:
-            store.append(sums_key(seq), encode_checksums(bucket_sums))
+            store.append(ann_key(seq, "sums"), encode_checksums(bucket_sums))
 
         return append
 
@@ -512,7 +507,7 @@ class WeightBroadcaster:
         ids = [c.service_id for c in committed]
         self._members = ids
         backend = epoch_backend(self.cfg.backend, self.device.type, [c.device for c in committed])
-        self._live_store().set(commit_key(epoch), encoder.encode(EpochCommit(epoch, ids, backend)))
+        self._live_store().set(epoch_key(epoch, "commit"), encoder.encode(EpochCommit(epoch, ids, backend)))
         self.membership.commit_epoch(committed, dropped)
         if dropped:
             log.warning(
@@ -531,7 +526,7 @@ class WeightBroadcaster:
                 0,
                 len(committed) + 1,
                 epoch=epoch,
-                prefix=pg_prefix(epoch),
+                prefix=epoch_key(epoch, "pg", ""),
                 connect_timeout_s=self.cfg.ready_timeout_s,
                 op_timeout_s=self.cfg.publish_timeout_s,
             )
@@ -544,7 +539,7 @@ class WeightBroadcaster:
         """service id -> incarnation of the candidates that confirmed in time."""
         if not candidates:
             return {}
-        keys = [ready_key(epoch, c.service_id) for c in candidates]
+        keys = [epoch_key(epoch, "ready", c.service_id) for c in candidates]
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         store = self._live_store()
         while True:
@@ -559,7 +554,7 @@ class WeightBroadcaster:
     def _abandon_epoch(self, error: Exception) -> None:
         epoch = self.group.epoch if self.group is not None else self.membership.epoch
         log.warning("weight sync: epoch %d abandoned: %s", epoch, error)
-        self._live_store().set(abort_key(epoch), b"1")
+        self._live_store().set(epoch_key(epoch, "abort"), b"1")
         self._drop_group()
         self._broken = True
         self.membership.count("failures")
@@ -579,4 +574,4 @@ class WeightBroadcaster:
         old = seq - KEEP_ANNOUNCEMENTS
         if old >= 0:
             store.delete_key(ann_key(old))
-            store.delete_key(sums_key(old))
+            store.delete_key(ann_key(old, "sums"))

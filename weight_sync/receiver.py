@@ -31,15 +31,10 @@ from sluice.weight_sync.announcements import (
     EpochAnnouncement,
     ShutdownAnnouncement,
     WeightsAnnouncement,
-    abort_key,
     ann_key,
     announcement_decoder,
-    beat_key,
     commit_decoder,
-    commit_key,
-    pg_prefix,
-    ready_key,
-    sums_key,
+    epoch_key,
 )
 from sluice.weight_sync.buffers import BufferPool
 from sluice.weight_sync.checksums import WIRE_CHECKSUMS, WSUM32, WireChecksum
@@ -310,10 +305,9 @@ class WeightReceiver:
             return  # joined after this epoch's candidates were chosen: the next one lists it
         self._listed = True
         self._drop_group()
-        self._live_store().set(ready_key(ann.epoch, self.service_id), self.incarnation.encode())
-        commit = commit_decoder.decode(
-            self._wait_key(commit_key(ann.epoch), 2 * self.cfg.ready_timeout_s + self.cfg.publish_timeout_s)
-        )
+        self._live_store().set(epoch_key(ann.epoch, "ready", self.service_id), self.incarnation.encode())
+        wait_s = 2 * self.cfg.ready_timeout_s + self.cfg.publish_timeout_s
+        commit = commit_decoder.decode(self._wait_key(epoch_key(ann.epoch, "commit"), wait_s))
         if self.service_id not in commit.members:
             raise _Rejoin(f"left out of epoch {ann.epoch}")
         rank = commit.members.index(self.service_id) + 1
@@ -324,7 +318,7 @@ class WeightReceiver:
                 rank,
                 len(commit.members) + 1,
                 epoch=ann.epoch,
-                prefix=pg_prefix(ann.epoch),
+                prefix=epoch_key(ann.epoch, "pg", ""),
                 connect_timeout_s=self.cfg.ready_timeout_s,
                 op_timeout_s=self.cfg.publish_timeout_s,
             )
@@ -382,7 +376,7 @@ class WeightReceiver:
         deadline = time.monotonic() + _POLL_S
         store = self._live_store()
         if self._group is not None:  # idle members beat too: the learner may still be sending
-            store.add(beat_key(self._group.epoch, self._group.rank), 1)
+            store.add(epoch_key(self._group.epoch, "beat", self._group.rank), 1)
         while not store.check([key]):
             if time.monotonic() >= deadline:
                 return False
@@ -392,7 +386,7 @@ class WeightReceiver:
     def _wait_sums(self, seq: int, count: int, abandoned: Callable[[], bool]) -> list[int]:
         """The first `count` checksums of announcement `seq`. The learner appends a bucket's
         once it hashed it, while the data is on the wire: usually they are there already."""
-        key = sums_key(seq)
+        key = ann_key(seq, "sums")
         deadline = time.monotonic() + self.cfg.publish_timeout_s
         next_check = time.monotonic() + _POLL_S
         store = self._live_store()
@@ -417,8 +411,8 @@ class WeightReceiver:
         watches it), and give up if the learner abandoned the epoch or we are stopping."""
 
         def check() -> bool:
-            self._live_store().add(beat_key(epoch, rank), 1)
-            return self._stop.is_set() or self._live_store().check([abort_key(epoch)])
+            self._live_store().add(epoch_key(epoch, "beat", rank), 1)
+            return self._stop.is_set() or self._live_store().check([epoch_key(epoch, "abort")])
 
         return check
 

@@ -30,6 +30,7 @@ class StoreCounters:
     leased_trajs: int = 0
     acked_trajs: int = 0
     redelivered_trajs: int = 0
+    taken_over_trajs: int = 0  # requeued (counted in redelivered too) when their holder restarted
     dropped_stale: int = 0
     refused_full: int = 0
     evicted_trajs: int = 0

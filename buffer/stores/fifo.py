@@ -20,11 +20,17 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from sluice.buffer.groups import Group, GroupIncomplete, PreparedPut, ShardFull
+from sluice.buffer.holder import Holder
 from sluice.buffer.stores.base import ShardStore, StoreCounters
 
-__all__ = ["FifoStore", "GroupIncomplete", "Lease", "ShardFull", "StoreCounters"]
+__all__ = ["FifoStore", "GroupIncomplete", "Lease", "ShardFull", "StoreCounters", "Superseded"]
 
 SETTLED_LEASES_KEPT = 4096
+RETIRED_INCARNATIONS_KEPT = 1024
+
+
+class Superseded(Exception):
+    """A GET from a holder's incarnation that a newer one has replaced."""
 
 
 @dataclass(slots=True)
@@ -32,6 +38,7 @@ class Lease:
     lease_id: str
     groups: list[Group]
     deadline: float
+    holder: Holder = field(default_factory=Holder.anonymous)
     size: int = field(init=False)  # trajectories
 
     def __post_init__(self) -> None:
@@ -58,6 +65,8 @@ class FifoStore(ShardStore):
         self.queued = 0
         self.queued_bytes = 0
         self.leased = 0
+        self.incarnations: dict[str, str] = {}  # holder name -> its newest incarnation seen
+        self.retired: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, incarnation) replaced
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -81,7 +90,9 @@ class FifoStore(ShardStore):
 
     # -- reads ---------------------------------------------------------------------------------
 
-    def get(self, max_trajs: int, policy_id: str, min_version: int, now: float) -> tuple[Lease | None, int]:
+    def get(
+        self, max_trajs: int, policy_id: str, min_version: int, now: float, holder: Holder | None = None
+    ) -> tuple[Lease | None, int]:
         """Lease whole groups (at least one if any is fresh). Returns (lease or None, dropped)."""
         queue = self.queues.get(policy_id)
         dropped = 0
@@ -108,7 +119,7 @@ class FifoStore(ShardStore):
             del self.queues[policy_id]
         if not taken:
             return None, dropped
-        lease = Lease(uuid.uuid4().hex, taken, now + self.lease_timeout_s)
+        lease = Lease(uuid.uuid4().hex, taken, now + self.lease_timeout_s, holder or Holder.anonymous())
         self.leases[lease.lease_id] = lease
         self.leased += n
         self.counters.leased_trajs += n
@@ -136,6 +147,32 @@ class FifoStore(ShardStore):
         lease = self.leases.pop(lease_id)
         self._requeue(lease)
         return lease.size
+
+    def take_over(self, holder: Holder) -> list[Lease] | None:
+        """Note `holder`'s incarnation. A new one (not the last seen for its name) means the
+        holder started anew: the leases its earlier incarnations hold go back to the front of
+        their queues (none of them can be ACKed any more, and waiting for their timeout would
+        idle the new one) and are returned. None when it is not a new incarnation. Raises
+        Superseded for an incarnation that a newer one replaced (a consumer thought dead)."""
+        if not holder.name:
+            return None
+        if (holder.name, holder.incarnation) in self.retired:
+            raise Superseded(
+                f"holder {holder.name!r}: incarnation {holder.incarnation!r} was replaced by a newer one"
+            )
+        last = self.incarnations.setdefault(holder.name, holder.incarnation)
+        if last == holder.incarnation:
+            return None
+        self.incarnations[holder.name] = holder.incarnation
+        self.retired[(holder.name, last)] = None
+        while len(self.retired) > RETIRED_INCARNATIONS_KEPT:
+            self.retired.popitem(last=False)
+        orphans = [lease for lease in self.leases.values() if lease.holder.name == holder.name]
+        for lease in sorted(orphans, key=lambda lease: lease.groups[0].seq, reverse=True):  # oldest in front
+            del self.leases[lease.lease_id]
+            self._requeue(lease)
+            self.counters.taken_over_trajs += lease.size
+        return orphans
 
     def expire(self, now: float) -> list[str]:
         expired = [lease for lease in self.leases.values() if lease.deadline <= now]
@@ -191,6 +228,7 @@ class FifoStore(ShardStore):
                 "delivered": c.leased_trajs,
                 "acked": c.acked_trajs,
                 "redelivered": c.redelivered_trajs,
+                "taken_over": c.taken_over_trajs,
             }
         )
 

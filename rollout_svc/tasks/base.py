@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from sluice.config.base import Section
 from sluice.wire.messages import Scalar
@@ -40,7 +40,13 @@ class Score:
     info: dict[str, Scalar] = field(default_factory=dict)
 
 
-class Task(ABC):
+ConfigT = TypeVar("ConfigT", bound=Section)
+
+
+class Task(ABC, Generic[ConfigT]):
+    """Subclass as `class MyTask(Task[MyConfig])` with `Config = MyConfig`: `self.config` is then
+    typed as the `task.params` model `Config` validated."""
+
     name: ClassVar[str]  # in messages and metrics; default: the class name
     Config: ClassVar[type[Section]]
     multi_turn: ClassVar[bool] = False
@@ -50,7 +56,7 @@ class Task(ABC):
         if "name" not in cls.__dict__:
             cls.name = cls.__name__
 
-    def __init__(self, config: Section, seed: int) -> None:
+    def __init__(self, config: ConfigT, seed: int) -> None:
         self.config = config
         self.rng = random.Random(seed)
 
@@ -99,7 +105,7 @@ class Episode(ABC):
         """The episode ran out of turns or context before it ended: its final reply."""
 
 
-class MultiTurnTask(Task):
+class MultiTurnTask(Task[ConfigT]):
     multi_turn: ClassVar[bool] = True
     max_turns: int  # model turns per episode at most
 

@@ -101,10 +101,9 @@ class CalculatorEpisode(Episode):
         return EnvReply(None, 0.0, {"calls": self.calls, "correct": 0.0})
 
 
-class CalculatorTask(MultiTurnTask):
+class CalculatorTask(MultiTurnTask[CalculatorConfig]):
     name = "calculator"
     Config = CalculatorConfig
-    config: CalculatorConfig  # the instance of Config that __init__ is given
 
     def __init__(self, config: CalculatorConfig, seed: int) -> None:
         super().__init__(config, seed)

@@ -115,10 +115,9 @@ def _read_hf(path: Path, split: str) -> list[dict[str, Any]]:
     return ds.to_list()
 
 
-class DatasetTask(Task):
+class DatasetTask(Task[DatasetConfig]):
     name = "dataset"
     Config = DatasetConfig
-    config: DatasetConfig  # the instance of Config that __init__ is given
 
     def __init__(self, config: DatasetConfig, seed: int) -> None:
         super().__init__(config, seed)

@@ -19,14 +19,17 @@ DIGITS = [str(d) for d in range(10)]
 
 
 class DigitsConfig(Section):
+    """`task.params` of copy and reverse."""
+
     length: int = Field(default=3, ge=1, le=32)
     """Digits per prompt (and per expected answer)."""
 
 
-class CopyTask(Task):
+class CopyTask(Task[DigitsConfig]):
+    """Copy the prompt's digits; held-out strings are never sampled for training."""
+
     name = "copy"
     Config = DigitsConfig
-    config: DigitsConfig  # the instance of Config that __init__ is given
 
     def __init__(self, config: DigitsConfig, seed: int) -> None:
         super().__init__(config, seed)

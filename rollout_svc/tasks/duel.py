@@ -53,10 +53,9 @@ class DuelMatch(Match):
         }
 
 
-class DuelTask(MultiAgentTask):
+class DuelTask(MultiAgentTask[DuelConfig]):
     name = "duel"
     Config = DuelConfig
-    config: DuelConfig
     agents = PLAYERS
 
     def sample(self, n: int) -> list[Prompt]:

@@ -15,8 +15,7 @@ import itertools
 from abc import abstractmethod
 from typing import Any, ClassVar
 
-from sluice.config.base import Section
-from sluice.rollout_svc.tasks.base import Prompt, Score, Task
+from sluice.rollout_svc.tasks.base import ConfigT, Prompt, Score, Task
 
 
 class Match:
@@ -35,7 +34,7 @@ class Match:
         """Every agent's score, once every agent has acted."""
 
 
-class MultiAgentTask(Task):
+class MultiAgentTask(Task[ConfigT]):
     agents: ClassVar[tuple[str, ...]]  # the agents of every match, in the order they act
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -44,7 +43,7 @@ class MultiAgentTask(Task):
         if len(set(agents)) != len(agents):
             raise TypeError(f"{cls.__name__}.agents names an agent twice: {agents}")
 
-    def __init__(self, config: Section, seed: int) -> None:
+    def __init__(self, config: ConfigT, seed: int) -> None:
         super().__init__(config, seed)
         self._prompts = itertools.count(1)
 

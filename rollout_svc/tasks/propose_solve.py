@@ -56,10 +56,9 @@ class ProposeSolveConfig(DigitsConfig):
     mistakes do not drown the solver's signal."""
 
 
-class ProposeSolveTask(MultiAgentTask):
+class ProposeSolveTask(MultiAgentTask[ProposeSolveConfig]):
     name = "propose_solve"
     Config = ProposeSolveConfig
-    config: ProposeSolveConfig
     agents = ("proposer", "solver")
 
     def sample(self, n: int) -> list[Prompt]:

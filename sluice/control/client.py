@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 import zmq
@@ -21,7 +22,9 @@ log = logging.getLogger(__name__)
 class ControlClient:
     """`patience_s` > 0: an ADMIT or REFUND the learner does not answer within `timeout_s` is
     sent again, with the same sequence number, until `patience_s` has passed (a paused learner
-    is waited for; the server answers a repeat once). 0: the first time-out raises."""
+    is waited for; the server answers a repeat once). 0: the first time-out raises.
+    `should_abort`: asked while any call waits; true raises RpcAborted (a service that stops,
+    or whose learner is gone, does not wait out the patience)."""
 
     def __init__(
         self,
@@ -30,12 +33,14 @@ class ControlClient:
         timeout_s: float = 10.0,
         ctx: zmq.Context | None = None,
         patience_s: float = 0.0,
+        should_abort: Callable[[], bool] | None = None,
     ) -> None:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.conn = RpcConnection(self.ctx, endpoint, name="control", reply_decoder=msg.reply_decoder)
         self.timeout_s = timeout_s
         self.patience_s = patience_s
+        self.should_abort = should_abort  # true: a waiting call raises RpcAborted (the caller stops)
         self._seq = itertools.count(1)
 
     @property
@@ -58,7 +63,8 @@ class ControlClient:
         """Send one request of `request_type` (proto and id filled in) and return the reply, which
         must be a `reply_type` (any other is a broken server: ProtocolError)."""
         req = request_type(proto=PROTO_VERSION, id=self.conn.next_id(), **fields)
-        reply = self.conn.request(req, timeout_s=self.timeout_s if timeout_s is None else timeout_s)[0]
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        reply = self.conn.request(req, timeout_s=timeout_s, abort=self.should_abort)[0]
         if not isinstance(reply, reply_type):
             raise ProtocolError(
                 "BAD_REPLY", f"control: {type(reply).__name__} in answer to {request_type.__name__}"

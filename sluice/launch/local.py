@@ -35,9 +35,7 @@ from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
 from sluice.launch.threads import available_cores, plan_threads
 from sluice.metrics import JsonlLog
-from sluice.modeling.policy import materialize_policy_dir
 from sluice.net import free_port
-from sluice.plots import write_run_plots
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +136,11 @@ class LocalLauncher:
         self.stop = threading.Event()
 
     def prepare(self) -> Path:
+        """The run directory and its resolved config. The model directory is not built here:
+        every role builds it if it is missing (atomically: one copy wins), while its imports
+        would hold up every role's start here (transformers and torch: ~5 s on 2 cores)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        materialize_policy_dir(self.cfg)
         config_path = self.run_dir / "config.yaml"
         dump_config(self.cfg, config_path)
         return config_path
@@ -308,6 +308,8 @@ class LocalLauncher:
             code = self.supervise()
         finally:
             self.shutdown()
+        from sluice.plots import write_run_plots  # matplotlib: only once the run is over
+
         learner = self._child("learner")
         plots = write_run_plots(self.run_dir)
         if plots:

@@ -114,10 +114,6 @@ class Placed:
     def name(self) -> str:
         return self.spec.name
 
-    @property
-    def role(self) -> str:
-        return self.spec.kind
-
     def node_ip(self) -> str:
         """The IP of the node its actor runs on (reported once the actor started)."""
         if self.node is None:
@@ -251,11 +247,11 @@ class RayLauncher:
         import ray
 
         cfg = self.cfg.model_copy(deep=True)
-        shards = [p for p in self.placed if p.role == "buffer"]
+        shards = [p for p in self.placed if p.spec.kind == "buffer"]
         shard_ports = ray.get([p.actor.reserve_ports.remote(1) for p in shards])
         cfg.buffer.endpoints = [f"tcp://{p.node_ip()}:{ports[0]}" for p, ports in zip(shards, shard_ports)]
         cfg.buffer.bind = [f"tcp://*:{ports[0]}" for ports in shard_ports]
-        heads = [p for p in self.placed if p.role == "learner" and p.spec.index == 0]
+        heads = [p for p in self.placed if p.spec.kind == "learner" and p.spec.index == 0]
         reserved = ray.get([p.actor.reserve_ports.remote(3) for p in heads])
         for head, (control, store, dist) in zip(heads, reserved):
             ip = head.node_ip()
@@ -352,7 +348,7 @@ class RayLauncher:
         self._record("exit", p, rc=rc, error=error)
         error = escape(error) if error is not None else None  # printed as rich markup below
         p.exit_code = rc if isinstance(rc, int) else None
-        if p.role == "learner":
+        if p.spec.kind == "learner":
             if rc != EXIT_OK and self._restart_learner_group(p, rc, error):
                 return None
             if rc != EXIT_OK:
@@ -360,7 +356,7 @@ class RayLauncher:
                     f"[red]{p.name} ended ({error or f'exit {rc}'}); see {self.run_dir}/logs/{p.name}.log"
                 )
                 return EXIT_FAILED
-            done = all(q.exit_code == EXIT_OK for q in self.placed if q.role == "learner")
+            done = all(q.exit_code == EXIT_OK for q in self.placed if q.spec.kind == "learner")
             return EXIT_OK if done else None  # the run ends when every learner rank has
         if p.spec.exits_with_run and rc == EXIT_OK:
             return None  # a rollout ends itself when the learner announces shutdown
@@ -396,7 +392,7 @@ class RayLauncher:
         if not learner_restartable(self.cfg, policy, done, rc if isinstance(rc, int) else None):
             return False
         self.learner_restarts[policy] = done + 1
-        group = [q for q in self.placed if q.role != "buffer" and q.spec.belongs_to(policy)]
+        group = [q for q in self.placed if q.spec.kind != "buffer" and q.spec.belongs_to(policy)]
         self.console.print(
             f"[yellow]{p.name} {error or f'exited {rc}'}; restarting its learner group (and its rollout "
             f"services) from the latest checkpoint ({done + 1}/{self.cfg.learner.max_restarts})"
@@ -404,12 +400,12 @@ class RayLauncher:
         for q in group:  # rollouts before the new learner counts what the shards hold
             q.ref, q.exit_code = None, None
             ray.kill(q.actor, no_restart=True)
-        group.sort(key=lambda q: q.role != "learner")
+        group.sort(key=lambda q: q.spec.kind != "learner")
         self._start_actors(group)
         resumed = {**self.config, "learner": {**self.config["learner"], "resume": "auto"}}
         for q in group:
             self._record("restarted", q, restarts=done + 1, reason=error or f"exit {rc}")
-            q.ref = q.actor.run.remote(resumed if q.role == "learner" else self.config)
+            q.ref = q.actor.run.remote(resumed if q.spec.kind == "learner" else self.config)
         return True
 
     def shutdown(self, grace_s: float = 15.0) -> None:
@@ -419,7 +415,7 @@ class RayLauncher:
             if self.events is not None:
                 self.events.close()
             return
-        order = [p for r in ("rollout", "learner", "buffer") for p in self.placed if p.role == r]
+        order = [p for r in ("rollout", "learner", "buffer") for p in self.placed if p.spec.kind == r]
         for p in order:
             if p.ref is not None:
                 p.actor.halt.remote()

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 from sluice.plugins import UserCodeError
 
@@ -95,6 +96,17 @@ def resolve_index(explicit: int | None, env: Mapping[str, str]) -> int:
             raise ConfigError(f"{name}={raw!r}: expected a non-negative integer (the role's index)")
         return int(raw)
     return 0
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a role's process with `code` once its main returned (every server, socket, file and
+    process group closed by then): flush the logs and stdio, then `os._exit`, skipping the
+    interpreter's teardown of torch, transformers and their threads (measured: ~2 s of a
+    learner's exit on 2 cores, with the run waiting on it)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def run_role(role: str, main: Callable[[threading.Event], int]) -> int:

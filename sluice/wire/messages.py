@@ -91,6 +91,11 @@ class GetRequest(_Request, tag="GET"):
     # W: learner, leases of this shard to ACK first (as ACK would; an unknown one fails the
     # request with UNKNOWN_LEASE, those before it stay ACKed). R: shard
     ack: list[str] = []
+    # W: learner, its stable name ("learner/<policy>"). R: shard, tags the lease with it
+    holder: str = ""
+    # W: learner, new at each start of the holder. R: shard: a new one first requeues the leases
+    # (and drops the parked GETs) of the holder's earlier incarnations (docs/protocol.md, GET)
+    incarnation: str = ""
 
 
 class AckRequest(_Request, tag="ACK"):
@@ -257,6 +262,7 @@ ErrorCode = Literal[
     "TOO_LARGE",  # the message or batch exceeds a configured limit
     "FULL",  # the shard is at capacity; retry after retry_after_ms
     "UNKNOWN_LEASE",  # ACK/NACK of a lease that expired or never existed
+    "SUPERSEDED",  # GET from a holder's incarnation that a newer one replaced
     "WRONG_MODE",  # an op of the other buffer mode (GET/ACK/NACK on replay, SAMPLE/PRIORITY on fifo)
     "UNAVAILABLE",  # the shard cannot write its log; nothing was changed, retry later
     "NOT_SAME_HOST",  # RESERVE without the shard's token (or a shard that offers no shared memory)

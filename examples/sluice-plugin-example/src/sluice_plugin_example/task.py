@@ -6,6 +6,7 @@ empty) is 1 for exactly that; the reward functions in `rewards.py` split it into
 
 from __future__ import annotations
 
+import itertools
 import random
 
 from pydantic import Field
@@ -13,7 +14,7 @@ from pydantic import Field
 from sluice.config.base import Section
 from sluice.rollout_svc.tasks.base import Prompt, Score, Task
 
-DIGITS = [str(d) for d in range(10)]
+DIGITS = "0123456789"
 
 
 class FirstDigitConfig(Section):
@@ -21,22 +22,22 @@ class FirstDigitConfig(Section):
     """Digits per prompt."""
 
 
-class FirstDigitTask(Task):
+class FirstDigitTask(Task[FirstDigitConfig]):
+    """Registered as the `first_digit` entry point of `sluice.tasks` (pyproject.toml)."""
+
+    Config = FirstDigitConfig  # validates task.params; an instance becomes self.config
     name = "first_digit"
-    Config = FirstDigitConfig
-    config: FirstDigitConfig
 
     def __init__(self, config: FirstDigitConfig, seed: int) -> None:
         super().__init__(config, seed)
-        self._count = 0
+        self._ids = itertools.count()
 
     def _prompt(self, prompt_id: str, rng: random.Random) -> Prompt:
         digits = [rng.choice(DIGITS) for _ in range(self.config.length)]
         return Prompt(prompt_id, " ".join(digits) + " =", digits[0], row={"length": len(digits)})
 
     def sample(self, n: int) -> list[Prompt]:
-        self._count += n
-        return [self._prompt(f"f{self._count - n + i}", self.rng) for i in range(n)]
+        return [self._prompt(f"f{next(self._ids)}", self.rng) for _ in range(n)]
 
     def held_out(self, n: int) -> list[Prompt]:
         rng = random.Random(7)
