@@ -9,7 +9,9 @@ is on disk (with checkpoints off, right after the step). So:
   the shard restarted), every trajectory id of it goes to `skip_ids`: when it comes back it is
   ACKed with its lease but never trained on again.
 So no leased sample is lost and none is trained twice by the surviving lineage. The same skip
-applies while running when an ACK finds its lease expired (a step slower than the lease).
+applies while running when an ACK finds its lease expired (a step slower than the lease), and
+to an id that comes back while the step that consumed it waits for its checkpoint (a shard that
+restarted requeued it: its ACK has not yet found the lease gone).
 Leases that were only prefetched (not trained) at a crash simply expire and are redelivered.
 """
 
@@ -42,9 +44,16 @@ class LeaseLedger:
     skip_ids: set[str] = field(default_factory=set)
 
     def filter(self, trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], list[str]]:
-        """(trajectories to train on, ids skipped because they were trained already)."""
-        keep = [t for t in trajs if t.traj_id not in self.skip_ids]
-        return keep, [t.traj_id for t in trajs if t.traj_id in self.skip_ids]
+        """(trajectories to train on, ids skipped because they were trained already: in
+        `skip_ids`, or consumed by a step whose leases wait for a checkpoint; a restarted shard
+        requeues those before their ACK tells this learner they are gone)."""
+        held = self.skip_ids | self.pending_ids()
+        keep = [t for t in trajs if t.traj_id not in held]
+        return keep, [t.traj_id for t in trajs if t.traj_id in held]
+
+    def pending_ids(self) -> set[str]:
+        """Every trajectory id of the steps not yet ACKed."""
+        return {i for step in self.pending for i in step.traj_ids}
 
     def add(self, leased: LeasedBatch, skipped: list[str], leased_at: float) -> None:
         self.pending.append(

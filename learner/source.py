@@ -12,7 +12,9 @@ Rules:
 - A partial batch is never held near its lease timeout: when its first lease is older than
   half of `lease_timeout_s`, it is NACKed (back to the front of the queue) and the batch starts
   over with fresh leases. Otherwise a slow trickle of data would let the first leases expire
-  and come back into the same batch (trained twice, ACK refused).
+  and come back into the same batch (trained twice, ACK refused). A batch that gets back one of
+  its own trajectories anyway (its shard restarted and queued its leases again) starts over the
+  same way from the part that brought it.
 - `close()` NACKs a batch that was fetched but never taken.
 """
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from sluice.buffer.client import BufferClient, LeasedBatch
+from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.buffer.holder import Holder
 from sluice.config.learner import LearnerConfig
 
@@ -37,6 +39,18 @@ class FetchedBatch:
     leased: LeasedBatch
     leased_at: float  # monotonic time of the first GET
     fetch_s: float  # time spent completing it (GETs and long polls)
+
+
+def give_back(client: BufferClient, leased: LeasedBatch) -> None:
+    """NACK a batch not trained on. A lease already gone (its shard restarted, or it expired)
+    needs nothing: its groups are queued again anyway."""
+    if not leased.leases:
+        return
+    try:
+        client.nack(leased)
+    except BufferError as e:
+        if e.code != "UNKNOWN_LEASE":
+            raise
 
 
 class BatchSource:
@@ -116,11 +130,10 @@ class BatchSource:
         leased_at = time.monotonic()
         while len(leased.trajs) < lc.batch_size:
             if self._stopping():
-                if leased.leases:
-                    client.nack(leased)
+                give_back(client, leased)
                 return None
             if leased.leases and time.monotonic() - leased_at > self.lease_timeout_s / 2:
-                client.nack(leased)  # too old to keep waiting on: give back, start over
+                give_back(client, leased)  # too old to keep waiting on: give back, start over
                 leased = LeasedBatch()
                 self.restarts += 1
             part = client.get(
@@ -133,7 +146,11 @@ class BatchSource:
                 self.on_dropped(part.dropped_stale)
             held = {t.traj_id for t in leased.trajs}
             if any(t.traj_id in held for t in part.trajs):
-                raise RuntimeError("a lease of the batch being assembled expired and came back into it")
+                # A lease of this batch is gone (its shard restarted, or it expired) and its
+                # groups came back: give the rest back and start over from this part.
+                give_back(client, leased)
+                leased = LeasedBatch()
+                self.restarts += 1
             if not leased.leases and part.leases:
                 leased_at = time.monotonic()
             leased.extend(part)
@@ -154,13 +171,13 @@ class BatchSource:
                 fetched = self._fetch(client, version)
                 with self._cond:
                     if fetched is not None and self._closing:
-                        client.nack(fetched.leased)
+                        give_back(client, fetched.leased)
                         break
                     self._ready = fetched
                     self._cond.notify_all()
             with self._cond:
                 if self._ready is not None:  # fetched, never taken: give it back
-                    client.nack(self._ready.leased)
+                    give_back(client, self._ready.leased)
                     self._ready = None
         except BaseException as e:  # noqa: BLE001 - re-raised by take() in the learner thread
             with self._cond:

@@ -217,6 +217,33 @@ def test_roles_spread_over_the_nodes_of_a_multi_node_cluster(tmp_path):
     assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 8
 
 
+def test_a_killed_shard_is_restarted_on_its_node_from_its_log_under_ray(tmp_path, process_reaper):
+    """kill -9 the shard's actor process: the driver starts it again in its bundle (same node,
+    same port, same log) and training goes on, each trajectory trained once."""
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    proc = start_ray_run(
+        run_dir, log, "learner.total_steps=50", "learner.checkpoint_every=10", "learner.audit_consumed=true",
+        "buffer.capacity=2048",
+    )  # fmt: skip
+    process_reaper.append(proc)
+    alive = running({"sluice ray": proc}, lambda _: log.read_text()[-3000:])
+
+    def steps() -> list[dict]:
+        return read_jsonl(run_dir / "metrics" / "learner.jsonl")
+
+    wait_until(lambda: len(steps()) >= 22, 300, "22 learner steps", interval_s=0.5, check=alive)
+    os.kill(json.loads((run_dir / "endpoints" / "buffer-0.json").read_text())["pid"], signal.SIGKILL)
+    assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
+    restarted = events(run_dir, "restarted")
+    assert [e["role"] for e in restarted] == ["buffer-0"]
+    placed = {e["role"]: e["node_id"] for e in events(run_dir, "placed")}
+    assert restarted[0]["node_id"] == placed["buffer-0"]  # on its node, where its log is
+    assert [s["version"] for s in steps()] == list(range(1, 51))
+    trained = [i for r in read_jsonl(run_dir / "metrics" / "consumed.jsonl") for i in r["trained"]]
+    assert len(trained) == len(set(trained)) == sum(s["samples"] for s in steps())
+    assert all(s["dropped_stale"] == 0 for s in steps()[-10:]), [s["dropped_stale"] for s in steps()]
+
+
 def test_a_killed_learner_is_restarted_from_its_checkpoint_under_ray(tmp_path, process_reaper):
     run_dir, log = tmp_path / "run", tmp_path / "driver.log"
     proc = start_ray_run(

@@ -176,3 +176,31 @@ def test_ledger_skips_ids_whose_lease_was_lost(shard_factory):
         assert not (resumed.skip_ids & set(skipped))
     finally:
         client.close()
+
+
+def test_ids_a_restarted_shard_requeues_before_their_ack_are_not_trained_twice(shard_factory, tmp_path):
+    """A durable shard restarts while the learner holds trained leases for its next checkpoint:
+    the restarted shard queues those groups again. When they come back before the checkpoint's
+    ACK finds their lease gone, the ledger skips them; the skipped copies are ACKed with their
+    new lease, and the old lease's ACK then fails and is forgotten: trained once, lost never."""
+    shard = shard_factory(log_dir=tmp_path / "log", lease_timeout_s=600)
+    client = BufferClient([shard.endpoint], timeout_s=5)
+    try:
+        client.put(groups(0, 1))
+        trained = client.get(GROUP, wait_ms=0)
+        ledger = LeaseLedger()
+        keep, skipped = ledger.filter(trained.trajs)
+        assert len(keep) == GROUP and skipped == []
+        ledger.add(trained, skipped, 0.0)  # trained; ACKed at the next checkpoint
+        shard.restart()  # kill and start again from the log: the lease is gone, the group queued
+        back = client.get(GROUP, wait_ms=2000)
+        assert {t.traj_id for t in back.trajs} == {t.traj_id for t in trained.trajs}
+        keep, skipped = ledger.filter(back.trajs)
+        assert keep == [] and len(skipped) == GROUP  # not trained again
+        ledger.add(back, skipped, 1.0)
+        acked, lost = ledger.settle(client)  # the checkpoint's ACKs: the first lease is gone
+        assert acked == GROUP and set(lost) == {t.traj_id for t in trained.trajs}
+        assert not ledger.skip_ids  # the copies were ACKed with their own lease: nothing left
+        assert client.stats()[0].stats["held"] == 0
+    finally:
+        client.close()

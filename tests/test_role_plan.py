@@ -31,7 +31,7 @@ def test_the_quickstart_plan():
         ["rollout", "--index", "0"],
         ["rollout", "--index", "1"],
     ]
-    assert [s.restartable for s in specs] == [False, False, True, True]
+    assert [s.max_restarts for s in specs] == [3, 0, 3, 3]  # buffer.max_restarts (durable), rollout
     assert [s.exits_with_run for s in specs] == [False, True, True, True]
     assert all(not s.env for s in specs)  # a group of one needs no torchrun variables
 
@@ -81,7 +81,8 @@ def test_find_spec_refuses_what_the_config_does_not_have():
     ):
         find_spec(cfg, "learner", 1)
     joining = find_spec(cfg, "rollout", 5)  # a service beyond rollout.services joins (scale-out)
-    assert joining.name == "rollout-5" and joining.args == ["rollout", "--index", "5"] and joining.restartable
+    assert joining.name == "rollout-5" and joining.args == ["rollout", "--index", "5"]
+    assert joining.max_restarts == 3
 
 
 @pytest.mark.parametrize(

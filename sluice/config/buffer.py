@@ -51,6 +51,10 @@ class BufferConfig(Section):
     False keeps everything in memory only (a restart loses the shard's contents)."""
     log_dir: str | None = None
     """Directory of shard k's log is <log_dir>/shard-<k>. None: <run dir>/buffer."""
+    max_restarts: int = Field(default=3, ge=0)
+    """Times a launcher (local or Ray) restarts a shard that died (killed, crashed), on the same
+    endpoint, from its log. Durable shards only: one without a log would come back empty, and
+    what it had acknowledged would be lost, so its death fails the run."""
     fsync: Literal["always", "interval", "none"] = "interval"
     """always: fsync before every reply that depends on a write (survives power loss).
     interval: every `fsync_interval_ms`. none: never (survives a crash of the shard, not of the OS).

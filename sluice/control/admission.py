@@ -57,6 +57,13 @@ class AdmissionPolicy:
         were dropped would wait forever for quota that is held by nothing."""
         self.started = max(0, self.started - n)
 
+    def charge(self, n: int) -> None:
+        """Samples consumed once that came back into flight (a trained lease was gone at its
+        ACK: a restarted shard or an expired lease queued them again) count as started again:
+        each of them is dropped (and released) or consumed a second time (skipped), and either
+        would otherwise free quota that nothing holds."""
+        self.started += n
+
     def refund(self, service_id: str, n: int) -> None:
         n = min(n, self.per_service[service_id])
         self.started -= n

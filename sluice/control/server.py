@@ -147,6 +147,12 @@ class ControlServer:
                 self.admission.release(n)
             self._wake()
 
+    def charge(self, n: int) -> None:
+        """The learner reports consumed samples that came back into flight (AdmissionPolicy.charge)."""
+        if n:
+            with self._lock:
+                self.admission.charge(n)
+
     def attach_membership(self, registry: MembershipRegistry) -> None:
         """Serve JOIN / LEAVE / SYNC_REPORT with the learner's weight-sync membership (the
         registry does its own locking; STATUS then reports it too)."""

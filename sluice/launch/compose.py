@@ -107,6 +107,6 @@ def _service(cfg: RunConfig, spec: RoleSpec, config_path: str, env: dict[str, st
     if spec.kind != "learner" or (spec.group_rank == 0 and spec.policy == cfg.learner.policies[0]):
         port = metrics.port(spec.kind, spec.index)
         svc["ports"] = [f"127.0.0.1:{port}:{port}"]
-    if spec.restartable or spec.kind == "buffer":
+    if spec.max_restarts or spec.kind == "buffer":
         svc["restart"] = "on-failure"
     return svc

@@ -7,7 +7,9 @@ runs in its own session (a terminal Ctrl-C reaches only the launcher, which then
 children in order) and gets SIGTERM if the launcher dies. The run ends when the learner
 exits: 0 means done. A rollout service that dies (killed, crashed) is started again with the
 same index, up to `rollout.max_restarts` times, and joins the running system as a new member;
-any other role that dies unexpectedly fails the run loudly with its log tail.
+so is a durable buffer shard (`buffer.max_restarts`, from its log, on the same port); a learner
+group restarts from its checkpoint; any other role that dies unexpectedly fails the run loudly
+with its log tail.
 """
 
 from __future__ import annotations
@@ -220,11 +222,12 @@ class LocalLauncher:
         return EXIT_FAILED if failed else None
 
     def _restart(self, child: Child, run_log: JsonlLog) -> bool:
-        """Start a dead rollout service again (same index, new incarnation). False: not a
-        restartable role, or it used up `rollout.max_restarts`."""
-        limit = self.cfg.rollout.max_restarts
+        """Start a dead rollout service (same index, new incarnation) or durable shard (same
+        endpoint, from its log) again. False: not restartable, or its restarts are used up
+        (`rollout.max_restarts`, `buffer.max_restarts`)."""
+        limit = child.spec.max_restarts
         rc = child.proc.returncode
-        if not child.spec.restartable or child.restarts >= limit or not restartable(rc):
+        if child.restarts >= limit or not restartable(rc):
             return False
         _signal_group(child.proc, signal.SIGKILL)  # whatever it started (engine processes)
         self.children.remove(child)

@@ -30,7 +30,7 @@ class RoleSpec:
     resources: RoleResources  # what a scheduler reserves for it (ray.<kind>)
     env: dict[str, str] = field(default_factory=dict)  # torchrun's variables for a learner rank
     exits_with_run: bool = False  # ends by itself, with 0, when the learner is done
-    restartable: bool = False  # a launcher starts it again when it dies (rollout services)
+    max_restarts: int = 0  # times a launcher starts it again when it dies (rollouts, durable shards)
     served: tuple[str, ...] = ()  # every policy a rollout service talks to (several: multi-agent)
 
     def belongs_to(self, policy: str) -> bool:
@@ -56,7 +56,11 @@ class RoleSpec:
 def plan_roles(cfg: RunConfig) -> list[RoleSpec]:
     """Every role process of `cfg`, in start order: shards, learner groups, rollout services."""
     ray = cfg.ray
-    roles = [RoleSpec("buffer", k, "", f"buffer-{k}", ray.buffer) for k in range(cfg.buffer.shards)]
+    restarts = cfg.buffer.max_restarts if cfg.buffer.durable else 0  # (it comes back from its log)
+    roles = [
+        RoleSpec("buffer", k, "", f"buffer-{k}", ray.buffer, max_restarts=restarts)
+        for k in range(cfg.buffer.shards)
+    ]
     for policy in cfg.learner.policies:
         roles += learner_group(cfg, policy)
     return roles + [rollout_spec(cfg, i) for i in range(cfg.rollout.services)]
@@ -73,7 +77,7 @@ def rollout_spec(cfg: RunConfig, index: int) -> RoleSpec:
         f"rollout-{index}",
         cfg.ray.rollout,
         exits_with_run=True,
-        restartable=True,
+        max_restarts=cfg.rollout.max_restarts,
         served=served,
     )
 

@@ -41,6 +41,12 @@ ROLE_ENV = {
 }
 
 
+def shared_log(cfg: RunConfig) -> bool:
+    """Whether the shards' logs are where a shard restarted on another node finds its own: an
+    explicit `buffer.log_dir` is taken to be storage every node mounts (docs/architecture.md)."""
+    return cfg.buffer.log_dir is not None
+
+
 class RoleActor:
     """One role process on a Ray worker. Methods run in a small thread pool
     (max_concurrency=2), so `halt` reaches a role while `run` is busy."""
@@ -360,25 +366,35 @@ class RayLauncher:
             return EXIT_OK if done else None  # the run ends when every learner rank has
         if p.spec.exits_with_run and rc == EXIT_OK:
             return None  # a rollout ends itself when the learner announces shutdown
-        if (
-            p.spec.restartable
-            and p.restarts < self.cfg.rollout.max_restarts
-            and restartable(rc if isinstance(rc, int) else None)
-        ):
-            p.restarts += 1
-            self.console.print(
-                f"[yellow]{p.name} {error or f'exited {rc}'}; restarting it "
-                f"({p.restarts}/{self.cfg.rollout.max_restarts})"
-            )
-            ray.kill(p.actor, no_restart=True)
-            self._start_actors([p])
-            self._record("restarted", p, restarts=p.restarts, reason=error or f"exit {rc}")
-            p.ref = p.actor.run.remote(self.config)
-            return None
+        if p.restarts < p.spec.max_restarts and restartable(rc if isinstance(rc, int) else None):
+            return self._restart_role(p, error or f"exited {rc}")
         self.console.print(
             f"[red]{p.name} {error or f'exited {rc}'}; failing the run (logs: {self.run_dir}/logs)"
         )
         return EXIT_FAILED
+
+    def _restart_role(self, p: Placed, why: str) -> int | None:
+        """A dead rollout service or durable shard, again in its bundle (the same node: a
+        shard finds its log there). None: running again; EXIT_FAILED: a shard that Ray placed
+        on another node, away from its log, is not started empty."""
+        import ray
+
+        p.restarts += 1
+        self.console.print(f"[yellow]{p.name} {why}; restarting it ({p.restarts}/{p.spec.max_restarts})")
+        ray.kill(p.actor, no_restart=True)
+        was = (p.node or {}).get("node_id")
+        self._start_actors([p])
+        moved = p.node is not None and p.node.get("node_id") != was
+        if p.spec.kind == "buffer" and moved and not shared_log(self.cfg):
+            self.console.print(
+                f"[red]{p.name} came back on another node ({(p.node or {}).get('ip')}), away from its "
+                "log: failing the run rather than serving an empty shard. Give buffer.log_dir a directory "
+                "every node mounts, then run the config again with learner.resume=auto"
+            )
+            return EXIT_FAILED
+        self._record("restarted", p, restarts=p.restarts, reason=why)
+        p.ref = p.actor.run.remote(self.config)
+        return None
 
     def _restart_learner_group(self, p: Placed, rc: Any, error: str | None) -> bool:
         """As under `sluice run` (LocalLauncher._restart_learner_group: the group and its
