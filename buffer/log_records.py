@@ -69,6 +69,22 @@ class AckRecord(msgspec.Struct, tag_field="kind", tag="ack", forbid_unknown_fiel
     seqs: list[int]
 
 
+class LeaseRecord(msgspec.Struct, tag_field="kind", tag="lease", forbid_unknown_fields=True):
+    """Groups a GET leased (fifo). A restarted shard restores the lease, with a fresh deadline,
+    so its holder's ACK still finds it instead of the groups being delivered again."""
+
+    lease_id: str
+    seqs: list[int]
+    holder: str = ""
+    incarnation: str = ""
+
+
+class UnleaseRecord(msgspec.Struct, tag_field="kind", tag="unlease", forbid_unknown_fields=True):
+    """Leases that ended without an ACK (NACK, expiry, a takeover): their groups are queued."""
+
+    lease_ids: list[str]
+
+
 class DropRecord(msgspec.Struct, tag_field="kind", tag="drop", forbid_unknown_fields=True):
     """Groups dropped for staleness."""
 
@@ -84,7 +100,7 @@ class PriorityRecord(msgspec.Struct, tag_field="kind", tag="priority", forbid_un
 
 class SnapshotRecord(msgspec.Struct, tag_field="kind", tag="snapshot", forbid_unknown_fields=True):
     """First record of a compacted segment: forget everything before it. The live groups follow
-    as PUT (and PRIORITY) records; the payload holds the dedupe window's hashes (uint64)."""
+    as PUT (and PRIORITY, LEASE) records; the payload holds the dedupe window's hashes (uint64)."""
 
     next_seq: int
     settled: dict[str, int] = {}  # recently ACKed lease ids -> trajectories
@@ -94,7 +110,17 @@ class SealRecord(msgspec.Struct, tag_field="kind", tag="seal", forbid_unknown_fi
     """The segment ends here; bytes after it (a recycled file's old contents) mean nothing."""
 
 
-Record = PutRecord | AckRecord | DropRecord | PriorityRecord | SnapshotRecord | SealRecord | RegionRecord
+Record = (
+    PutRecord
+    | AckRecord
+    | LeaseRecord
+    | UnleaseRecord
+    | DropRecord
+    | PriorityRecord
+    | SnapshotRecord
+    | SealRecord
+    | RegionRecord
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)

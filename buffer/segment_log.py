@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import xxhash
 
@@ -35,6 +36,7 @@ from sluice.buffer.log_records import (
     AckRecord,
     CorruptRecord,
     DropRecord,
+    LeaseRecord,
     LoggedGroup,
     PriorityRecord,
     PutRecord,
@@ -42,6 +44,7 @@ from sluice.buffer.log_records import (
     RegionRecord,
     SealRecord,
     SnapshotRecord,
+    UnleaseRecord,
     array_sizes,
     encode_record,
     encode_region,
@@ -89,6 +92,7 @@ class RecoveredState:
     next_seq: int = 0
     seen_hashes: list[np.ndarray] = field(default_factory=list)  # dedupe window, oldest first
     settled: dict[str, int] = field(default_factory=dict)  # ACKed lease ids -> trajectories
+    leases: dict[str, LeaseRecord] = field(default_factory=dict)  # held, with their live groups' seqs
     records: int = 0
     truncated_bytes: int = 0  # torn tail cut off the last segment
 
@@ -102,6 +106,7 @@ class Snapshot:
     next_seq: int
     seen: np.ndarray
     settled: dict[str, int]
+    leases: list[LeaseRecord] = field(default_factory=list)  # held now
 
 
 class ExperienceLog(ABC):
@@ -140,6 +145,12 @@ class ExperienceLog(ABC):
     def append_ack(self, lease_id: str, seqs: list[int]) -> None: ...
 
     @abstractmethod
+    def append_lease(self, record: LeaseRecord) -> None: ...
+
+    @abstractmethod
+    def append_unlease(self, lease_ids: list[str]) -> None: ...
+
+    @abstractmethod
     def append_drop(self, seqs: list[int]) -> None: ...
 
     @abstractmethod
@@ -173,6 +184,12 @@ class NoLog(ExperienceLog):
         pass
 
     def append_ack(self, lease_id: str, seqs: list[int]) -> None:
+        pass
+
+    def append_lease(self, record: LeaseRecord) -> None:
+        pass
+
+    def append_unlease(self, lease_ids: list[str]) -> None:
         pass
 
     def append_drop(self, seqs: list[int]) -> None:
@@ -283,6 +300,7 @@ class SegmentLog(ExperienceLog):
             self.segment_bytes[n] = self._replay_segment(n, live, state, last=i == len(numbers) - 1)
         state.groups = [live[s] for s in sorted(live)]
         state.priorities = {s: p for s, p in state.priorities.items() if s in live}
+        state.leases = held_leases(state.leases, live)
         self.segments = numbers
         self._open_segment(
             (max([*numbers, *(int(p.stem) for p in self.pool)]) + 1) if numbers or self.pool else 1
@@ -453,6 +471,14 @@ class SegmentLog(ExperienceLog):
     def append_ack(self, lease_id: str, seqs: list[int]) -> None:
         if not self.ephemeral:
             self._append(AckRecord(lease_id=lease_id, seqs=seqs))
+
+    def append_lease(self, record: LeaseRecord) -> None:
+        if not self.ephemeral:
+            self._append(record)
+
+    def append_unlease(self, lease_ids: list[str]) -> None:
+        if lease_ids and not self.ephemeral:
+            self._append(UnleaseRecord(lease_ids=lease_ids))
 
     def append_drop(self, seqs: list[int]) -> None:
         if seqs and not self.ephemeral:
@@ -654,6 +680,8 @@ class SegmentLog(ExperienceLog):
                 seqs = list(snap.priorities)
                 record = PriorityRecord(seqs=seqs, priorities=[snap.priorities[s] for s in seqs])
                 written += write_all(fd, encode_record(record, seed=n)[0])
+            for lease in snap.leases:
+                written += write_all(fd, encode_record(lease, seed=n)[0])
             written += write_all(fd, encode_record(SealRecord(), seed=n)[0])
             if self.fsync != "none":
                 os.fsync(fd)
@@ -808,6 +836,12 @@ def _apply(
     elif isinstance(record, AckRecord):
         count = sum(live.pop(seq).size for seq in record.seqs if seq in live)
         state.settled[record.lease_id] = count
+        state.leases.pop(record.lease_id, None)
+    elif isinstance(record, LeaseRecord):
+        state.leases[record.lease_id] = record
+    elif isinstance(record, UnleaseRecord):
+        for lease_id in record.lease_ids:
+            state.leases.pop(lease_id, None)
     elif isinstance(record, DropRecord):
         for seq in record.seqs:
             live.pop(seq, None)
@@ -819,7 +853,23 @@ def _apply(
         state.priorities.clear()
         state.seen_hashes = [np.frombuffer(payload, dtype=np.uint64)]
         state.settled = dict(record.settled)
+        state.leases.clear()
         state.next_seq = record.next_seq
+
+
+def held_leases(logged: dict[str, LeaseRecord], live: dict[int, Group]) -> dict[str, LeaseRecord]:
+    """The leases still held at the log's end, each with the seqs of its live groups. A group
+    leased again later (its earlier lease ended in a record that was not written) belongs to
+    its newest lease; a lease with no live group left is over."""
+    owner: dict[int, str] = {}
+    for lease_id, record in logged.items():  # in log order
+        for seq in record.seqs:
+            owner[seq] = lease_id
+    seqs: dict[str, list[int]] = {}
+    for seq, lease_id in owner.items():
+        if seq in live:
+            seqs.setdefault(lease_id, []).append(seq)
+    return {i: msgspec.structs.replace(logged[i], seqs=sorted(v)) for i, v in seqs.items()}
 
 
 def build_log(cfg: BufferConfig, directory: Path | None, arena: Path | None = None) -> ExperienceLog:

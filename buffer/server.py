@@ -46,7 +46,7 @@ from sluice.buffer.segment_log import LogWriteError, NoSuchRegion, RecoveredStat
 from sluice.buffer.segment_maps import SegmentGone
 from sluice.buffer.sockets import recv_frames, send_frames, shard_socket
 from sluice.buffer.stores import FifoStore, ReplayStore, Store, build_store
-from sluice.buffer.stores.fifo import Superseded
+from sluice.buffer.stores.fifo import Lease, Superseded, lease_record
 from sluice.config.buffer import BufferConfig
 from sluice.rpc import split_envelope
 from sluice.wire import codec
@@ -138,6 +138,12 @@ class ShardServer:
             self.store.dedupe.add_hashes(hashes.tolist())
         self.store.restore(state.groups, state.priorities, state.next_seq)
         self.store.restore_settled(state.settled)
+        held = self.store.restore_leases(state.leases.values(), self.clock())
+        for lease_id, groups in held.items():  # a same-host holder may read their files by reference
+            segments = {t.loc[0] for g in groups for t in g.trajs if t.loc is not None}
+            self.log.pins.pin_lease(lease_id, segments)
+        if held:
+            log.info("shard %d: %d leases held again (their ACKs will find them)", self.shard, len(held))
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -173,8 +179,7 @@ class ShardServer:
     def _on_tick(self) -> None:
         now = self.clock()
         expired = self.store.expire(now)
-        for lease_id in expired:
-            self.log.pins.release_lease(lease_id)
+        self._end_leases(expired)
         if expired:
             self._serve_parked(now)
         timed_out = [p for p in self.parked if p.deadline <= now]
@@ -194,6 +199,7 @@ class ShardServer:
             next_seq=self.store.next_seq,
             seen=self.store.dedupe.snapshot(),
             settled=self.store.settled_snapshot(),
+            leases=self.store.lease_records(),
         )
 
     def _flush(self) -> None:
@@ -242,7 +248,7 @@ class ShardServer:
         elif isinstance(request, NackRequest):
             store = self._fifo("NACK")
             count = self._settle(request.lease_id, store.nack)
-            self.log.pins.release_lease(request.lease_id)
+            self._end_leases([request.lease_id])
             self._reply(envelope, NackReply(proto=PROTO_VERSION, id=request.id, count=count))
             self._serve_parked(now)
         elif isinstance(request, SampleRequest):
@@ -488,8 +494,7 @@ class ShardServer:
             raise codec.ProtocolError("SUPERSEDED", str(e)) from None
         if orphans is None:
             return
-        for lease in orphans:
-            self.log.pins.release_lease(lease.lease_id)
+        self._end_leases([lease.lease_id for lease in orphans])
         earlier = [p for p in self.parked if p.request.holder == holder.name]
         self.parked = [p for p in self.parked if p not in earlier]
         for p in earlier:
@@ -519,6 +524,7 @@ class ShardServer:
         by_ref = bool(req.token) and req.token == self.token
         refs, frames, segments = self._payload(lease.groups, by_ref)
         self.log.pins.pin_lease(lease.lease_id, segments)
+        self._log_lease(lease)
         reply = GetReply(
             proto=PROTO_VERSION,
             id=req.id,
@@ -622,6 +628,25 @@ class ShardServer:
         return codec.ProtocolError(
             "WRONG_MODE", f"op {op} needs buffer.mode={needed}; shard {self.shard} is {self.store.mode}"
         )
+
+    def _log_lease(self, lease: Lease) -> None:
+        """Leases are logged so a restarted shard holds them again, but a lease the log could
+        not take costs only that: after a restart its groups are queued again (as before
+        leases were logged; its holder skips what it trained). Never fail the GET for it."""
+        try:
+            self.log.append_lease(lease_record(lease))
+        except LogWriteError as e:
+            log.warning("shard %d: could not log lease %s: %s", self.shard, lease.lease_id, e)
+
+    def _end_leases(self, lease_ids: list[str]) -> None:
+        """Leases that ended without an ACK (NACK, expiry, takeover): unpin their files and log
+        it (best effort: an unlogged end only holds the groups one lease timeout after a restart)."""
+        for lease_id in lease_ids:
+            self.log.pins.release_lease(lease_id)
+        try:
+            self.log.append_unlease(lease_ids)
+        except LogWriteError as e:
+            log.warning("shard %d: could not log the end of %d leases: %s", self.shard, len(lease_ids), e)
 
     def _log_drops(self) -> None:
         """Stale drops answer nobody: if the log cannot take them, they are dropped again after a

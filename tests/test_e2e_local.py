@@ -158,9 +158,9 @@ def test_a_learner_paused_20s_costs_no_rollout_restart(tmp_path, process_reaper)
 
 def test_a_killed_shard_is_restarted_from_its_log_and_training_goes_on_exactly_once(tmp_path, process_reaper):
     """kill -9 the only buffer shard: the launcher starts it again on the same port from its log
-    (recovered in well under a second); the learner's trained-but-unACKed leases come back into
-    the queue and are dropped as stale or skipped, never trained twice, and admission counts them
-    as in flight again, so the stale drops stop within a few steps (before: 64-704 every step)."""
+    (recovered in well under a second), holding the leases it had granted again, so the
+    learner's trained-but-unACKed leases are ACKed at its next checkpoint as if nothing had
+    happened: no trajectory trained twice, no stale surge (what aged during the outage only)."""
     run_dir = tmp_path / "run"
     overrides = ("learner.total_steps=60", "learner.checkpoint_every=10", "learner.audit_consumed=true",
                  "buffer.capacity=2048")  # fmt: skip
@@ -174,13 +174,11 @@ def test_a_killed_shard_is_restarted_from_its_log_and_training_goes_on_exactly_o
     steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
     assert [s["version"] for s in steps] == list(range(1, 61))  # no restart of the learner
     trained = [i for r in read_jsonl(run_dir / "metrics" / "consumed.jsonl") for i in r["trained"]]
-    assert len(trained) == len(set(trained)) == sum(s["samples"] for s in steps)
+    assert len(trained) == len(set(trained)) == sum(s["samples"] for s in steps) == 60 * 128
     assert max(s["staleness_max"] for s in steps) <= 1 and steps[-1]["total_violations"] == 0
-    # What can come back stale: the trained leases held for the checkpoint (10 batches), the
-    # prefetched batch, and what admission let into flight ((1 + max_staleness) batches).
-    assert steps[-1]["total_dropped_stale"] <= (10 + 1 + 2) * 128, steps[-1]["total_dropped_stale"]
-    assert all(s["dropped_stale"] == 0 for s in steps[-10:]), [s["dropped_stale"] for s in steps]
-    assert "recovered" in (run_dir / "logs" / "buffer-0.log").read_text()
+    assert steps[-1]["total_dropped_stale"] <= 3 * 128, [s["dropped_stale"] for s in steps]
+    assert "leases held again" in (run_dir / "logs" / "buffer-0.log").read_text()
+    assert "gone at ACK" not in (run_dir / "logs" / "learner.log").read_text()
 
 
 def test_a_killed_learner_is_restarted_from_its_checkpoint_exactly_once_and_without_a_stale_surge(

@@ -155,23 +155,24 @@ def test_batch_source_never_holds_a_partial_batch_near_its_lease_timeout(shard_f
         producer.close()
 
 
-def test_a_batch_whose_shard_restarted_mid_assembly_starts_over_without_duplicates(shard_factory, tmp_path):
-    """The shard restarts (from its log) while the batch is half assembled: its groups are
-    queued again and the next GET brings one back. The batch starts over from that part (the
-    lost lease's NACK answers UNKNOWN_LEASE, which is fine) instead of failing the learner."""
-    shard = shard_factory(log_dir=tmp_path / "log", lease_timeout_s=600)
+def test_a_batch_that_gets_its_own_trajectories_back_starts_over_without_duplicates(shard_factory):
+    """A lease of the batch being assembled ends at the shard without the learner giving it back
+    (here it expires: the shard's timeout is shorter than the one the source was told; a
+    restarted shard that could not log the lease does the same), and the next GET brings its
+    groups back. The batch starts over from that part (the dead lease's NACK answers
+    UNKNOWN_LEASE, which is fine) instead of failing the learner."""
+    shard = shard_factory(lease_timeout_s=0.5)
     producer = BufferClient([shard.endpoint], timeout_s=5)
     lc = LearnerConfig(batch_size=4, get_wait_ms=2000, prefetch=False)
     source = BatchSource([shard.endpoint], "default", lc, threading.Event(), lease_timeout_s=600)
     try:
         producer.put([traj(i, f"g{i}", 1) for i in range(2)])
-        threading.Timer(0.5, shard.restart).start()  # the batch holds g0 and g1, waiting for more
         threading.Timer(1.5, lambda: producer.put([traj(i, f"g{i}", 1) for i in range(2, 4)])).start()
         source.request(0)
         batch = source.take()
         ids = [t.traj_id for t in batch.leased.trajs]
-        assert sorted(ids) == ["t0", "t1", "t2", "t3"] and source.restarts >= 1
-        assert producer.ack(batch.leased) == 4  # every lease of the batch is live
+        assert len(ids) == len(set(ids)) == 4 and source.restarts >= 1
+        assert set(ids) <= {"t0", "t1", "t2", "t3"}
     finally:
         source.close()
         producer.close()

@@ -219,7 +219,8 @@ def test_roles_spread_over_the_nodes_of_a_multi_node_cluster(tmp_path):
 
 def test_a_killed_shard_is_restarted_on_its_node_from_its_log_under_ray(tmp_path, process_reaper):
     """kill -9 the shard's actor process: the driver starts it again in its bundle (same node,
-    same port, same log) and training goes on, each trajectory trained once."""
+    same port, same log, its leases held again) and training goes on, each trajectory trained
+    once."""
     run_dir, log = tmp_path / "run", tmp_path / "driver.log"
     proc = start_ray_run(
         run_dir, log, "learner.total_steps=50", "learner.checkpoint_every=10", "learner.audit_consumed=true",
@@ -241,7 +242,8 @@ def test_a_killed_shard_is_restarted_on_its_node_from_its_log_under_ray(tmp_path
     assert [s["version"] for s in steps()] == list(range(1, 51))
     trained = [i for r in read_jsonl(run_dir / "metrics" / "consumed.jsonl") for i in r["trained"]]
     assert len(trained) == len(set(trained)) == sum(s["samples"] for s in steps())
-    assert all(s["dropped_stale"] == 0 for s in steps()[-10:]), [s["dropped_stale"] for s in steps()]
+    assert steps()[-1]["total_dropped_stale"] <= 3 * 128, [s["dropped_stale"] for s in steps()]
+    assert "gone at ACK" not in (run_dir / "logs" / "learner.log").read_text()  # its leases were held
 
 
 def test_a_killed_learner_is_restarted_from_its_checkpoint_under_ray(tmp_path, process_reaper):

@@ -19,6 +19,7 @@ from typing import ClassVar, Literal
 
 from sluice.buffer.dedupe import DedupeWindow
 from sluice.buffer.groups import Group, Loc, PreparedPut, PutTooLarge, assemble_groups
+from sluice.buffer.log_records import LeaseRecord
 from sluice.wire.codec import Frame
 from sluice.wire.messages import TrajectoryMeta
 
@@ -125,6 +126,15 @@ class ShardStore(ABC):
     @abstractmethod
     def restore_settled(self, settled: Mapping[str, int]) -> None:
         """Remember the ACKed lease ids recovered from the log."""
+
+    def restore_leases(self, leases: Iterable[LeaseRecord], now: float) -> dict[str, list[Group]]:
+        """Hold again the leases recovered from the log (their groups were restored queued),
+        each until `now` + the lease timeout. Returns lease id -> its groups."""
+        return {}
+
+    def lease_records(self) -> list[LeaseRecord]:
+        """The leases held now, as a log snapshot keeps them."""
+        return []
 
     # -- introspection -------------------------------------------------------------------------
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from sluice.buffer.groups import Group, GroupIncomplete, PreparedPut, ShardFull
 from sluice.buffer.holder import Holder
+from sluice.buffer.log_records import LeaseRecord
 from sluice.buffer.stores.base import ShardStore, StoreCounters
 
 __all__ = ["FifoStore", "GroupIncomplete", "Lease", "ShardFull", "StoreCounters", "Superseded"]
@@ -43,6 +44,12 @@ class Lease:
 
     def __post_init__(self) -> None:
         self.size = sum(g.size for g in self.groups)
+
+
+def lease_record(lease: Lease) -> LeaseRecord:
+    """What the log keeps of a lease."""
+    h = lease.holder
+    return LeaseRecord(lease.lease_id, [g.seq for g in lease.groups], h.name, h.incarnation)
 
 
 class FifoStore(ShardStore):
@@ -190,6 +197,32 @@ class FifoStore(ShardStore):
     def restore_settled(self, settled: Mapping[str, int]) -> None:
         for lease_id, count in settled.items():
             self.remember_settled(lease_id, count)
+
+    def restore_leases(self, leases: Iterable[LeaseRecord], now: float) -> dict[str, list[Group]]:
+        by_seq = {g.seq: g for q in self.queues.values() for g in q}
+        out: dict[str, list[Group]] = {}
+        for record in leases:
+            groups = [by_seq.pop(seq) for seq in record.seqs if seq in by_seq]
+            if not groups:
+                continue
+            holder = Holder(record.holder, record.incarnation)
+            lease = Lease(record.lease_id, groups, now + self.lease_timeout_s, holder)
+            self.leases[lease.lease_id] = lease
+            self.leased += lease.size
+            if holder.name:
+                self.incarnations[holder.name] = holder.incarnation
+            out[lease.lease_id] = groups
+        held = {g.seq for groups in out.values() for g in groups}
+        for policy, queue in list(self.queues.items()):
+            for group in [g for g in queue if g.seq in held]:
+                self._dequeue(group)
+            self.queues[policy] = deque(g for g in queue if g.seq not in held)
+            if not self.queues[policy]:
+                del self.queues[policy]
+        return out
+
+    def lease_records(self) -> list[LeaseRecord]:
+        return [lease_record(lease) for lease in self.leases.values()]
 
     # -- introspection -------------------------------------------------------------------------
 
