@@ -8,7 +8,7 @@ first and last rollout batches that drew it, and the rate of legal plays. Per ru
 worst staleness of each policy's samples (bound 1) and the buffer audit (every trained id
 once, each from its own policy's agent). Sequential (2 cores).
 
-    python benchmarks/multi_agent.py [--seeds 0 1 2] [--propose-solve-steps 600] [--duel-steps 300]
+    python benchmarks/multi_agent.py [--seeds 0 1 2] [--propose-solve-steps 800] [--duel-steps 300]
         [--out benchmarks/results/multi_agent]
     python benchmarks/multi_agent.py --quick     # smoke test: 3 steps, one seed
 
@@ -117,7 +117,7 @@ def plot(runs: list[dict], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--propose-solve-steps", type=int, default=600)
+    ap.add_argument("--propose-solve-steps", type=int, default=800)
     ap.add_argument("--duel-steps", type=int, default=300)
     ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "multi_agent")

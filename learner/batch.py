@@ -75,6 +75,18 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, sampling: Sampling
     (temperature, then the top_k/top_p/min_p filters), the target always kept: [B, L-1].
     Finite everywhere, also for a sampled token the current filters drop
     (sluice/modeling/sampling.py says why)."""
+    return token_logprobs_and_entropy(model, batch, sampling, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(
+    model: torch.nn.Module, batch: TokenBatch, sampling: SamplingTransform, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`, and (`entropy`) the entropy of the distribution sampled from at every
+    position, [B, L-1], from the same forward (with gradient: an entropy bonus takes it)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
     logp = sampling_logprobs(logits, sampling, keep=batch.targets)
-    return logp.gather(-1, batch.targets[..., None]).squeeze(-1)
+    target = logp.gather(-1, batch.targets[..., None]).squeeze(-1)
+    if not entropy:
+        return target, None
+    p = logp.exp()
+    return target, -torch.where(p > 0, p * logp, torch.zeros_like(logp)).sum(-1)  # (filtered: p = 0)

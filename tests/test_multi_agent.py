@@ -42,8 +42,12 @@ def test_propose_solve_credits_the_problem_and_the_answer():
     wrong_start.act("proposer", "5 8", True)  # well formed, wrong first digit: half the problem's credit
     wrong_start.act("solver", "5 9", False)  # one digit right, not stopped: a third of the answer's
     rewards = wrong_start.rewards()
-    assert rewards["proposer"].reward == pytest.approx((0.5 + 1 / 3) / 2)
-    assert rewards["solver"].reward == pytest.approx(1 / 3)  # split: the solver's own credit
+    assert rewards["proposer"].reward == pytest.approx(0.5 / 2)  # the answer counts on valid problems only
+    assert rewards["solver"].reward == pytest.approx(1 / 3)  # split: its own credit, the problem well formed
+    malformed = ProposeSolveMatch("3", 2, shared=False)
+    malformed.act("proposer", "3", True)  # too short: nothing to solve
+    malformed.act("solver", "3", True)  # a perfect copy of it earns the solver nothing
+    assert malformed.rewards()["solver"].reward == 0.0 and malformed.rewards()["proposer"].reward == 0.25
 
 
 def test_propose_solve_shared_credit_gives_both_the_team_reward():

@@ -188,6 +188,39 @@ def test_grpo_from_its_workflow_file_matches_the_loss_by_hand(tmp_path):
     assert torch.allclose(stats["policy_loss"], total / n, atol=1e-6)
 
 
+def test_an_entropy_bonus_adds_minus_coef_times_the_token_entropy(tmp_path):
+    """entropy_bonus: loss = policy loss - coef x the mean over trained tokens of the entropy of
+    softmax(logits) at that position, from the loss forward, with a gradient of its own."""
+    from sluice.learner.batch import collate
+
+    grpo = yaml.safe_load((ROOT / "configs" / "algorithms" / "grpo.yaml").read_text())
+    grpo["learner"].append({"stage": "entropy_bonus", "coef": 0.05})
+    (tmp_path / "grpo_entropy.yaml").write_text(yaml.safe_dump(grpo))
+    obj, model = token_objective(tmp_path, [f"workflow={tmp_path / 'grpo_entropy.yaml'}"])
+    plain, _ = token_objective(tmp_path, ["workflow=grpo"])
+    trajs = llm_batch()
+    piece = obj.prepare(model, trajs, DistContext())
+    denom = Denominator(*obj.counts(piece))
+    loss, stats = obj.loss(model, piece, denom)
+
+    batch = collate(trajs, obj.pad_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logp = torch.log_softmax(logits.double(), -1)
+    expected = float((-(logp.exp() * logp).sum(-1))[batch.completion_mask.bool()].mean())
+    assert float(stats["entropy"]) == pytest.approx(expected, rel=1e-5)
+    assert float(stats["entropy_bonus"]) == pytest.approx(-expected, rel=1e-5)
+    assert float(loss) == pytest.approx(float(stats["policy_loss"]) - 0.05 * expected, rel=1e-5)
+    plain_loss = plain.loss(model, plain.prepare(model, trajs, DistContext()), denom)[0]
+    grads = []
+    for total in (loss, plain_loss):
+        model.zero_grad()
+        total.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert (grads[0] - grads[1]).abs().max() > 1e-6  # the bonus moves the weights too
+    assert "entropy" not in plain.loss(model, piece, denom)[1]  # computed only when a stage reads it
+
+
 def test_llm_ppo_with_a_critic_from_its_workflow_file_matches_the_loss_by_hand(tmp_path):
     from sluice.learner.batch import collate, token_logprobs
     from sluice.modeling.sampling import SamplingTransform

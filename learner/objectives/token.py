@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from sluice.learner.balance import balance
-from sluice.learner.batch import TokenBatch, collate, token_logprobs
+from sluice.learner.batch import TokenBatch, collate, token_logprobs_and_entropy
 from sluice.learner.critic import Critic
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
 from sluice.learner.losses.grpo import group_indices
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.learner.stages.base import Fields, LossContext, PrepareContext
-from sluice.learner.stages.builtin import build_stages, critic_config, needs_reference
+from sluice.learner.stages.builtin import build_stages, critic_config, needs_entropy, needs_reference
 from sluice.modeling.sampling import SamplingTransform
 from sluice.trajectory import Trajectory
 
@@ -56,6 +56,7 @@ class TokenObjective(Objective[TokenPiece]):
         `reference_dir`: the run's initial model (the KL reference and the critic's start);
         `dist`: the learner group (a group of one if None), for the critic's updates."""
         self.prepare_stages, self.loss_stages = build_stages(stages)
+        self.entropy = needs_entropy(stages)  # the loss forward also gives the entropy field
         self.pad_id = pad_id
         self.bos_id = bos_id
         self.sampling = sampling
@@ -179,7 +180,10 @@ class TokenObjective(Objective[TokenPiece]):
     # -- loss ----------------------------------------------------------------------------------
 
     def loss(self, module, piece: TokenPiece, denom: Denominator) -> tuple[torch.Tensor, Stats]:
-        data = {**piece.fields, "logprobs": token_logprobs(module, piece.batch, self.sampling)}
+        logprobs, entropy = token_logprobs_and_entropy(module, piece.batch, self.sampling, self.entropy)
+        data = {**piece.fields, "logprobs": logprobs}
+        if entropy is not None:
+            data["entropy"] = entropy
         ctx = LossContext(denom, piece.batch, self.critic)
         total = torch.zeros((), device=data["logprobs"].device)
         stats: Stats = {}

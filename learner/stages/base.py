@@ -13,6 +13,7 @@ columns that no row uses.
     truncated          [B]     bool: cut at the token budget (the rollout's info["truncated"])
     values, returns    [B, T]  with a critic (critic_values, gae_advantages)
     logprobs           [B, T]  loss phase only: log pi_theta of the targets, with gradient
+    entropy            [B, T]  loss phase only, when a stage reads it: pi_theta's sampling entropy
 
 A prepare stage runs once per batch without gradient and returns new fields; a loss stage runs
 on every micro-batch and returns a `LossOutput` (learner/losses/base.py) whose loss is that

@@ -12,6 +12,7 @@ import torch
 from sluice.config.workflow import (
     BatchAdvantages,
     CriticValues,
+    EntropyBonus,
     GaeAdvantages,
     GroupAdvantages,
     KLPenalty,
@@ -22,7 +23,9 @@ from sluice.config.workflow import (
     RlooAdvantages,
     UserStage,
     ValueLoss,
+    contract,
 )
+from sluice.learner.losses.aggregate import aggregate
 from sluice.learner.losses.base import LossOutput, TokenLossInputs
 from sluice.learner.losses.grpo import group_advantages, group_mean
 from sluice.learner.losses.kl import kl_penalty
@@ -119,6 +122,11 @@ def kl_term(fields: Fields, ctx: LossContext, p: KLPenalty) -> LossOutput:
     return LossOutput(kl, {})
 
 
+def entropy_term(fields: Fields, ctx: LossContext, p: EntropyBonus) -> LossOutput:
+    entropy = aggregate(fields["entropy"], fields["mask"], p.aggregation, ctx.denom)
+    return LossOutput(-entropy, {"entropy": entropy.detach()})
+
+
 BUILTIN: dict[type, Any] = {
     ProximalLogprobs: proximal,
     ReferenceLogprobs: reference,
@@ -130,6 +138,7 @@ BUILTIN: dict[type, Any] = {
     GaeAdvantages: gae,
     PolicyLoss: policy_term,
     KLPenalty: kl_term,
+    EntropyBonus: entropy_term,
     ValueLoss: value_term,
 }
 
@@ -160,6 +169,11 @@ def build_stages(stages: Sequence[Any]) -> tuple[list[Bound], list[Bound]]:
 
 def needs_reference(stages: Sequence[Any]) -> bool:
     return any(isinstance(s, ReferenceLogprobs) for s in stages)
+
+
+def needs_entropy(stages: Sequence[Any]) -> bool:
+    """A loss stage reads the sampling distribution's entropy (the loss forward then computes it)."""
+    return any(st.phase == "loss" and "entropy" in contract(st)[0] for st in stages)
 
 
 def critic_config(stages: Sequence[Any]) -> CriticValues | None:

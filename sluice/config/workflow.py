@@ -40,8 +40,9 @@ LLM_BATCH_FIELDS = ("behaviour_logprobs", "mask", "rewards", "group_index", "ver
 """What an LLM learner batch starts with (shapes in learner/stages/base.py)."""
 ENV_BATCH_FIELDS = ("obs", "actions", "behaviour_logprobs", "rewards", "terminated", "ended")
 """What a classic-RL learner batch starts with (whole segments)."""
-LOSS_PHASE_FIELDS = ("logprobs",)
-"""Added for loss stages: the policy's log-probs of the targets, with gradient."""
+LOSS_PHASE_FIELDS = ("logprobs", "entropy")
+"""Added for loss stages, with gradient: the policy's log-probs of the targets, and the entropy
+of its sampling distribution at each position (computed only when a stage reads it)."""
 ALGORITHMS_DIR = Path(__file__).resolve().parent.parent / "algorithms"
 """The shipped workflows: sluice/algorithms is a link to configs/algorithms."""
 
@@ -188,6 +189,22 @@ class KLPenalty(_Stage):
     READS = ("logprobs", "ref_logprobs", "mask")
 
 
+class EntropyBonus(_Stage):
+    """-coef x the entropy of the policy's sampling distribution per token (aggregated like the
+    policy loss): keeps a group's samples different, so its advantages stay non-zero, against
+    the collapse of exploration that stalls GRPO on small models (DAPO, Yu et al. 2025, 3.1)."""
+
+    phase: ClassVar[Phase] = "loss"
+    metric: ClassVar[str] = "entropy_bonus"  # (its value is -entropy; `entropy` is logged too)
+    stage: Literal["entropy_bonus"] = "entropy_bonus"
+    coef: float = Field(default=1e-3, gt=0)
+    """Weight of the term (its loss is -entropy: larger keeps the policy more random)."""
+    aggregation: Aggregation = "token"
+    """As the policy loss's."""
+
+    READS = ("entropy", "mask")
+
+
 class ValueLoss(_Stage):
     """0.5 (V - returns)^2 per trained token under the critic, optionally clipped around the
     values of the prepare phase (PPO's value clipping)."""
@@ -292,6 +309,7 @@ LEARNER_STAGES = {
         GaeAdvantages,
         PolicyLoss,
         KLPenalty,
+        EntropyBonus,
         ValueLoss,
         ActorCritic,
     )
@@ -316,6 +334,7 @@ LearnerStage = Annotated[
     | Annotated[GaeAdvantages, Tag("stage=gae_advantages")]
     | Annotated[PolicyLoss, Tag("stage=policy_loss")]
     | Annotated[KLPenalty, Tag("stage=kl_penalty")]
+    | Annotated[EntropyBonus, Tag("stage=entropy_bonus")]
     | Annotated[ValueLoss, Tag("stage=value_loss")]
     | Annotated[ActorCritic, Tag("stage=actor_critic")]
     | Annotated[UserStage, Tag(USER_TAG)],
