@@ -23,10 +23,11 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sluice.config.errors import ConfigError
-from sluice.config.policy import policy_view
+from sluice.config.policy import checkpoint_root, policy_view
 from sluice.config.run import RunConfig
 from sluice.config.task import AgentConfig
 from sluice.metrics import PrometheusEndpoint
+from sluice.modeling.policy import materialize_policy_dir
 from sluice.plugins import UserCodeError
 from sluice.rollout_svc.actor import ActorLoop, PollWeights, Produced, connect, run_actor
 from sluice.rollout_svc.engines.base import Completion, Engine, WeightUpdate
@@ -74,8 +75,14 @@ class MultiAgentProducer:
         self.engines: dict[str, Engine] = {
             p: build_engine(cfg, seed + k) for k, p in enumerate(cfg.learner.policies)
         }
+        initial = materialize_policy_dir(cfg)
         self.pools = {
-            agent: OpponentPool(a.opponent_pool, build_engine(cfg, seed + 100 + k), seed + 100 + k)
+            agent: OpponentPool(
+                a.opponent_pool,
+                build_engine(cfg, seed + 100 + k),
+                seed + 100 + k,
+                checkpoints=(checkpoint_root(cfg, a.policy), initial),
+            )
             for k, (agent, a) in enumerate(self.agents.items())
             if a.opponent_pool is not None
         }

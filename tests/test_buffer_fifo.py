@@ -114,11 +114,15 @@ def test_capacity_refuses_whole_put():
     with pytest.raises(ShardFull):
         put(s, group("b", 0))
     assert s.size == 2 and s.counters.refused_full == 2
-    lease, _ = s.get(2, "default", 0, now=0)
-    with pytest.raises(ShardFull):  # leased samples still count against capacity
-        put(s, group("b", 0))
-    s.ack(lease.lease_id)
-    assert put(s, group("b", 0)) == (2, 0)
+    s.get(2, "default", 0, now=0)  # leased (a learner holding what it trained for a checkpoint) ...
+    assert put(s, group("b", 0)) == (2, 0)  # ... does not count against capacity: queued does
+    with pytest.raises(ShardFull):
+        put(s, group("c", 0))
+    big = FifoStore(capacity=100, lease_timeout_s=10, capacity_bytes=2 * 16)  # bytes: leased count
+    put(big, group("a", 0))
+    big.get(2, "default", 0, now=0)
+    with pytest.raises(ShardFull):
+        put(big, group("b", 0))
 
 
 def test_stale_groups_are_dropped_never_leased():

@@ -47,10 +47,12 @@ def test_propose_solve_trains_each_agent_on_its_own_policy_exactly_once(tmp_path
         assert (run_dir / ckpt / "latest").exists()
 
 
-def test_duel_self_play_trains_one_seat_against_past_versions(tmp_path):
+@pytest.mark.parametrize("source", ["received", "checkpoints"])
+def test_duel_self_play_trains_one_seat_against_past_versions(tmp_path, source):
     run_dir = tmp_path / "run"
-    pool = "task.agents.second.opponent_pool={every: 3, size: 2, latest: 0.0}"
-    proc = sluice_run(run_dir, *SMALL, pool, config="multi_agent/duel.yaml")
+    pool = f"task.agents.second.opponent_pool={{every: 3, size: 2, latest: 0.0, source: {source}}}"
+    ckpt = ("learner.checkpoint_every=3", "learner.keep_checkpoints=3")
+    proc = sluice_run(run_dir, *SMALL, pool, *ckpt, config="multi_agent/duel.yaml")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     steps = check_learner(run_dir, "")
     ids = trained_ids(run_dir, "")

@@ -133,6 +133,36 @@ def weights(tmp_path: Path, path: Path, version: int) -> WeightUpdate:
     return WeightUpdate(version, list(state.items()))
 
 
+def test_a_pool_of_checkpoints_reads_the_policys_saved_versions_from_disk(tmp_path):
+    """source: checkpoints: the pool is the policy's finished step_<v> directories (every k-th,
+    the newest `size`) and the initial model as version 0, listed at each draw and read when
+    drawn; a pool made anew (a restarted service) finds the same versions."""
+    from safetensors.torch import save_file
+
+    from sluice.rollout_svc.opponents import checkpoint_versions, read_weights
+
+    initial, root = tmp_path / "model", tmp_path / "checkpoints"
+    for d, scale in ((initial, 0), *((root / f"step_{v:06d}", v) for v in (5, 10, 15, 20))):
+        d.mkdir(parents=True)
+        save_file({"w": torch.full((3,), float(scale))}, str(d / "model.safetensors"))
+    (root / ".step_000025.tmp").mkdir()  # being written: not a checkpoint yet
+    (root / "step_000030").mkdir()  # no weights in it (yet): not one either
+    assert sorted(checkpoint_versions(root, initial)) == [0, 5, 10, 15, 20]
+    assert float(read_weights(root / "step_000010")[0][1][0]) == 10.0
+    engine = SimEngine(
+        [str(d) for d in range(10)], 32, load_config(None, ["rollout.engine=sim"]).rollout.sim, 0
+    )
+    cfg = OpponentPoolConfig(every=10, size=1, latest=0.0, source="checkpoints")
+    pool = OpponentPool(cfg, engine, seed=0, checkpoints=(root, initial))
+    pool.offer(WeightUpdate(40, [("w", torch.ones(3))]))  # received versions are not kept
+    assert {pool.draw() for _ in range(40)} == {0, 20} and list(pool.kept) == [0, 20]
+    save_file({"w": torch.full((3,), 30.0)}, str(root / "step_000030" / "model.safetensors"))
+    again = OpponentPool(cfg, engine, seed=1, checkpoints=(root, initial))
+    assert {again.draw() for _ in range(40)} == {0, 30}  # the newest, found at the next draw
+    with pytest.raises(ValueError, match="needs their directory"):
+        OpponentPool(cfg, engine, seed=0)
+
+
 def test_each_agents_turns_go_to_its_own_policy_with_its_own_versions_and_groups(tmp_path):
     p = producer(tmp_path, PROPOSE)
     try:

@@ -78,12 +78,15 @@ class FifoStore(ShardStore):
     # -- writes --------------------------------------------------------------------------------
 
     def _admit(self, prepared: PreparedPut) -> None:
-        if self.held + prepared.accepted > self.capacity or (
+        """`capacity` counts what waits for a learner (queued), not what a learner holds: a
+        learner keeps the leases it trained until its next checkpoint (exactly-once), and those
+        must not throttle generation. `capacity_bytes` bounds memory: every byte held counts."""
+        if self.queued + prepared.accepted > self.capacity or (
             self.held_bytes + prepared.nbytes > self.capacity_bytes
         ):
             self.counters.refused_full += prepared.accepted
             raise ShardFull(
-                f"{self.held} + {prepared.accepted} trajectories > capacity {self.capacity} "
+                f"{self.queued} queued + {prepared.accepted} trajectories > capacity {self.capacity} "
                 f"or {self.held_bytes} + {prepared.nbytes} bytes > capacity_bytes {self.capacity_bytes}"
             )
 

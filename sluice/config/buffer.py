@@ -28,9 +28,10 @@ class BufferConfig(Section):
     """fifo: consume-once under leases (ACK deletes, lease timeout or NACK redelivers).
     replay: bounded ring (oldest evicted first), sampled with replacement (SAMPLE/PRIORITY)."""
     capacity: int = Field(default=65536, ge=1)
-    """Trajectories a shard holds (fifo: queued + leased, then PUT is refused; replay: ring size)."""
+    """fifo: trajectories waiting for a learner (queued), then PUT is refused; leased ones do
+    not count (a learner holds what it trained until its next checkpoint). replay: ring size."""
     capacity_bytes: int = Field(default=4 << 30, ge=1 << 20)
-    """Payload bytes a shard holds (same rule as `capacity`): bounds memory for large trajectories."""
+    """Payload bytes a shard holds, leased ones included: bounds memory for large trajectories."""
     lease_timeout_s: float = Field(default=60.0, gt=0)
     """A lease not ACKed within this time is returned to the queue."""
     max_message_bytes: int = Field(default=1 << 30, ge=1024)

@@ -81,13 +81,6 @@ class RunConfig(Section):
         else:
             check_no_legacy_knobs(self)
             check_workflow(self.workflow, self.rollout.kind)
-        held = (self.learner.checkpoint_every + 1) * self.learner.batch_size * len(self.learner.policies)
-        if self.learner.checkpoint_every and held > self.buffer.capacity * self.buffer.shards:
-            raise ValueError(
-                f"learner.checkpoint_every={self.learner.checkpoint_every}: trained leases are held until "
-                f"the next checkpoint (up to {held} trajectories with the prefetched batch), more than the "
-                f"buffer holds (buffer.capacity x shards = {self.buffer.capacity * self.buffer.shards})"
-            )
         check_agents(self.task, self.learner.policies, self.rollout.kind)
         return self
 

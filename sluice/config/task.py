@@ -62,6 +62,13 @@ class OpponentPoolConfig(Section):
     """Versions kept; the oldest goes when a newer one comes."""
     latest: float = Field(default=0.0, ge=0.0, le=1.0)
     """Chance that a batch's opponent is the current version instead of one from the pool."""
+    source: Literal["received", "checkpoints"] = "received"
+    """received: copies of the versions the service receives over the weight channel, kept in
+    its memory (a restarted service starts a new pool). checkpoints: the policy's checkpoints
+    on disk (`checkpoints[-<policy>]/step_<v>`, plus the run's initial model as version 0), read
+    when drawn: the pool outlives the service, and needs the run directory where the service
+    runs (one host or a shared file system), `learner.checkpoint_every` > 0 and
+    `learner.keep_checkpoints` >= `size`."""
 
 
 class AgentConfig(Section):
