@@ -193,7 +193,8 @@ def test_each_agents_turns_go_to_its_own_policy_with_its_own_versions_and_groups
 
 
 def test_a_pool_opponent_acts_with_a_past_version_and_its_turns_are_not_trained(tmp_path):
-    p = producer(tmp_path, DUEL, "task.agents.second.opponent_pool.every=2")
+    pool = ("task.agents.second.opponent_pool.every=2", "task.agents.second.opponent_pool.source=received")
+    p = producer(tmp_path, DUEL, *pool)
     try:
         for v in range(5):
             p.load_weights("player", weights(tmp_path, DUEL, v))
