@@ -27,10 +27,10 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
-import xxhash
 
 from sluice.buffer.dedupe import id_hash
 from sluice.buffer.groups import Group, Loc, PreparedPut, StoredTrajectory
+from sluice.buffer.log_reader import Where, put_groups
 from sluice.buffer.log_records import (
     PREFIX,
     AckRecord,
@@ -49,7 +49,6 @@ from sluice.buffer.log_records import (
     encode_record,
     encode_region,
     read_record,
-    split_group_frames,
     write_all,
 )
 from sluice.buffer.segment_maps import SegmentMaps, segment_name
@@ -59,6 +58,7 @@ from sluice.config.buffer import BufferConfig
 log = logging.getLogger(__name__)
 
 SNAPSHOT_RECORD_BYTES = 64 << 20  # groups per PUT record of a snapshot, by payload bytes
+ARCHIVE_DIR = "archive"  # under a shard's log directory: the segments `buffer.archive` keeps
 
 
 class LogWriteError(OSError):
@@ -249,6 +249,8 @@ class SegmentLog(ExperienceLog):
         self.segment_bytes: dict[int, int] = {}  # their valid length (a recycled file may be longer)
         self.pool: list[Path] = []  # retired segment files waiting to be reused
         self.pool_max = recycle_keep(cfg)
+        # buffer.archive: retired segments are kept there, never reused (docs/architecture.md)
+        self.archive = self.dir / ARCHIVE_DIR if cfg.archive and not ephemeral else None
         self.active = 0  # number of the segment writes go to (0: none until recover opens one)
         self.fd = -1
         self.active_bytes = 0
@@ -343,7 +345,7 @@ class SegmentLog(ExperienceLog):
                     if isinstance(item.record, RegionRecord):
                         unclaimed.add(offset + item.payload_at)
                     elif not isinstance(item.record, SealRecord):
-                        where = _Where(n, offset + item.payload_at, fh.fileno(), offset)
+                        where = Where(n, offset + item.payload_at, fh.fileno(), offset)
                         _apply(item.record, item.payload, live, state, where)
                         if isinstance(item.record, PutRecord) and item.record.region:
                             unclaimed.discard(item.record.region[0])
@@ -587,10 +589,15 @@ class SegmentLog(ExperienceLog):
             self.counters["log_recycled"] += 1
 
     def _retire(self, n: int) -> None:
-        """Segment `n` left the log: keep its file for reuse, or delete it (always, if tainted)."""
+        """Segment `n` left the log: archive it (`buffer.archive`), keep its file for reuse, or
+        delete it (always, if tainted and not archived)."""
         path = self.dir / _segment_name(n)
         self.maps.forget(n)
-        if n in self.tainted:
+        if self.archive is not None:
+            self.archive.mkdir(exist_ok=True)
+            os.rename(path, self.archive / _segment_name(n))
+            self.tainted.discard(n)
+        elif n in self.tainted:
             self.tainted.discard(n)
             path.unlink(missing_ok=True)
         elif len(self.pool) < self.pool_max:
@@ -765,71 +772,16 @@ class SegmentLog(ExperienceLog):
         }
 
 
-@dataclass
-class _Where:
-    """Where a record being recovered lies."""
-
-    segment: int
-    payload_at: int  # file offset of its payload
-    fd: int  # the segment file, open for reading
-    record_at: int  # file offset of the record
-
-
-def _region_payload(record: PutRecord, where: _Where) -> tuple[memoryview, list[Loc]]:
-    """A PUT record's payload read from its region, checked, as one buffer with the
-    trajectories back to back (as an inline payload is), and their places in the file."""
-    if len(record.region) != 3:
-        raise CorruptRecord(f"PUT record region {record.region} is not [offset, nbytes, checksum]")
-    offset, nbytes, checksum = record.region
-    if offset < 0 or nbytes < 0 or offset + nbytes > where.record_at:
-        raise CorruptRecord(f"PUT record region [{offset}, {offset + nbytes}) is not before the record")
-    region = os.pread(where.fd, nbytes, offset)
-    if len(region) != nbytes or xxhash.xxh3_64_intdigest(region) != checksum:
-        raise CorruptRecord(
-            f"the region [{offset}, {offset + nbytes}) of a PUT record does not match its checksum"
-        )
-    metas = [m for g in record.groups for m in g.trajs]
-    if len(record.traj_at) != len(metas):
-        raise CorruptRecord(f"PUT record has {len(metas)} trajectories and {len(record.traj_at)} places")
-    parts, locs = [], []
-    for meta, at in zip(metas, record.traj_at):
-        size = sum(array_sizes(meta))
-        if not offset <= at <= offset + nbytes - size:
-            raise CorruptRecord(f"trajectory at byte {at} is outside its region")
-        parts.append(region[at - offset : at - offset + size])
-        locs.append((where.segment, at))
-    return memoryview(b"".join(parts)), locs
-
-
 def _apply(
-    record: Record, payload: memoryview, live: dict[int, Group], state: RecoveredState, where: _Where
+    record: Record, payload: memoryview, live: dict[int, Group], state: RecoveredState, where: Where
 ) -> None:
     """Fold one record into the state being recovered."""
     if isinstance(record, PutRecord):
-        if record.region:
-            payload, locs = _region_payload(record, where)
-        else:
-            locs = []
-            at = where.payload_at
-            for g in record.groups:
-                for m in g.trajs:
-                    locs.append((where.segment, at))
-                    at += sum(array_sizes(m))
-        per_group = split_group_frames(record.groups, payload)
-        k = 0
-        for logged, frames in zip(record.groups, per_group):
-            trajs = []
-            for m, f in zip(logged.trajs, frames):
-                trajs.append(StoredTrajectory(meta=m, frames=f, nbytes=sum(v.nbytes for v in f), loc=locs[k]))
-                k += 1
-            if not trajs:
-                raise CorruptRecord(f"PUT record group seq {logged.seq} has no trajectories")
-            first = logged.trajs[0]
-            version = min(m.version for m in logged.trajs)
-            live[logged.seq] = Group(logged.seq, first.group_id, first.policy_id, version, trajs)
-            state.next_seq = max(state.next_seq, logged.seq + 1)
+        for group in put_groups(record, payload, where):
+            live[group.seq] = group
+            state.next_seq = max(state.next_seq, group.seq + 1)
             state.seen_hashes.append(
-                np.fromiter((id_hash(m.traj_id) for m in logged.trajs), np.uint64, len(logged.trajs))
+                np.fromiter((id_hash(t.meta.traj_id) for t in group.trajs), np.uint64, group.size)
             )
         for seq in record.evicted:
             live.pop(seq, None)

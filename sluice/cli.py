@@ -286,6 +286,26 @@ def export(
 
 
 @app.command()
+def experience(
+    run_dir: Annotated[str, typer.Argument(help="run directory")],
+    out: Annotated[str, typer.Argument(help="Parquet file, or (--format hf) dataset directory, to write")],
+    format: Annotated[str, typer.Option(help="parquet or hf (a Hugging Face dataset directory)")] = "parquet",
+) -> None:
+    """Write every trajectory the run's shards stored, with its fate (acked, dropped, evicted,
+    held): complete for runs with buffer.archive=true."""
+    from sluice.experience import export_experience
+
+    if format not in ("parquet", "hf"):
+        raise _fail(f"--format {format!r}: expected parquet or hf")
+    try:
+        summary = export_experience(run_dir, out, format)  # type: ignore[arg-type]
+    except FileNotFoundError as e:
+        raise _fail(str(e)) from None
+    fates = ", ".join(f"{k} {v}" for k, v in sorted(summary.fates.items()))
+    typer.echo(f"{summary.rows} trajectories from {summary.shards} shards ({fates}) -> {summary.path}")
+
+
+@app.command()
 def plots(run_dir: Annotated[str, typer.Argument(help="run directory")]) -> None:
     """Write PNG plots of a run's metrics (reward, staleness, throughput) to RUN_DIR/plots."""
     from sluice.plots import write_run_plots

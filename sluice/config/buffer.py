@@ -52,6 +52,10 @@ class BufferConfig(Section):
     False keeps everything in memory only (a restart loses the shard's contents)."""
     log_dir: str | None = None
     """Directory of shard k's log is <log_dir>/shard-<k>. None: <run dir>/buffer."""
+    archive: bool = False
+    """Keep every segment compaction retires in `<shard log>/archive/` instead of reusing or
+    deleting it, so the log holds every trajectory the shard ever stored and what became of
+    it (`sluice export`). Disk grows with all the experience of the run. Durable shards only."""
     max_restarts: int = Field(default=3, ge=0)
     """Times a launcher (local or Ray) restarts a shard that died (killed, crashed), on the same
     endpoint, from its log. Durable shards only: one without a log would come back empty, and
