@@ -307,11 +307,14 @@ class Learner:
         self.control.seen(Counter(t.group_id.split("/", 1)[0] for t in fetched.leased.trajs))
         self.ledger.add(fetched.leased, step.skipped, fetched.leased_at)
         if self.audit is not None:
+            used = {t.traj_id for t in step.trained} | set(step.skipped)
             self.audit.write(
                 {
                     "version": self.version,
                     "trained": [t.traj_id for t in step.trained],
-                    "skipped": step.skipped,
+                    "skipped": step.skipped,  # trained before (a lease lost at its ACK)
+                    # beyond the staleness bound, or newer than this learner (a lost lineage's)
+                    "dropped": [t.traj_id for t in fetched.leased.trajs if t.traj_id not in used],
                 }
             )
         if self.cfg.learner.checkpoint_every == 0:

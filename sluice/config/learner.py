@@ -100,8 +100,9 @@ class LearnerConfig(Section):
     return_window: int = Field(default=100, ge=1)
     """Episodes in the moving average of returns."""
     audit_consumed: bool = False
-    """Append the traj_ids trained at every step to metrics/consumed-<policy>.jsonl (an audit
-    trail for exactly-once consumption)."""
+    """Append, per step, the traj_ids of its batch to metrics/consumed-<policy>.jsonl: trained,
+    skipped (trained before) and dropped (beyond the bound, or of a lost lineage): an audit
+    trail for exactly-once consumption, by id."""
     log_every: int = Field(default=1, ge=1)
     """Write a metrics line every k steps."""
     torch_threads: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"

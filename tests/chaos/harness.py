@@ -1,0 +1,260 @@
+"""The chaos suite's harness: a whole run with one fault, and the account of what it did.
+
+A run is the quickstart with two shards, two rollout services, checkpoints every 10 steps, the
+audit trail (`learner.audit_consumed`) and the experience archive (`buffer.archive`, with small
+segments so compaction archives during the run). At step `at_step` one role is killed
+(`kill -9`) or paused (`SIGSTOP` for `pause_s`, then `SIGCONT`). Afterwards the run is accounted
+for by id (`account`): it finished by itself, no trajectory was trained twice along the
+surviving lineage, every trajectory a shard acknowledged (exported with its fate) was trained,
+skipped or dropped by the learner, dropped as stale by a shard, or is still held; the version
+sequence has no gap or repeat, the staleness bound held, the stale-drop rate came back, and no
+process or port outlived the run. `python tests/chaos/run.py` prints the table for both
+launchers; tests/chaos/test_chaos.py runs the `sluice run` rows in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import psutil
+import pyarrow.parquet as pq
+import yaml
+
+from sluice.experience import export_experience
+from sluice.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+STEPS, BATCH, BOUND = 80, 128, 1
+OVERRIDES = (
+    "rollout.engine=hf",
+    "buffer.shards=2",
+    f"learner.total_steps={STEPS}",
+    "learner.checkpoint_every=10",
+    "learner.audit_consumed=true",
+    "buffer.archive=true",
+    "buffer.segment_bytes=65536",
+    "buffer.compact_min_bytes=65536",
+)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: Literal["kill", "stop"]  # kill -9, or SIGSTOP for pause_s then SIGCONT
+    role: str  # its name in the run: rollout-0, buffer-0, learner
+
+    @property
+    def name(self) -> str:
+        return f"{'kill -9' if self.kind == 'kill' else 'SIGSTOP 20 s'} {self.role}"
+
+
+FAULTS = [
+    Fault("kill", "rollout-0"),
+    Fault("kill", "buffer-0"),
+    Fault("kill", "learner"),
+    Fault("stop", "buffer-0"),
+    Fault("stop", "learner"),
+]
+
+
+@dataclass
+class Report:
+    launcher: str
+    fault: str
+    exit_code: int | None
+    wall_s: float
+    finished: bool = False  # exit 0 and versions 1..STEPS, each once
+    restarted: list[str] = field(default_factory=list)
+    trained: int = 0
+    duplicates: int = 0  # ids trained twice along the surviving lineage
+    stored: int = 0  # trajectories the shards acknowledged (the export's rows)
+    lost: int = 0  # acknowledged, yet neither trained, skipped, dropped nor held
+    fates: dict[str, int] = field(default_factory=dict)
+    staleness_max: int = 0
+    violations: int = 0
+    drops_before: float = 0.0  # stale drops per step before the fault
+    drops_after: float = 0.0  # ... over the last 20 steps
+    orphans: list[int] = field(default_factory=list)
+    busy_ports: list[int] = field(default_factory=list)
+
+    @property
+    def drops_recovered(self) -> bool:
+        """Back within 2x of before (or under 5% of a batch per step, where before was ~0)."""
+        return self.drops_after <= max(2 * self.drops_before, 0.05 * BATCH)
+
+    def failures(self) -> list[str]:
+        bad = [] if self.finished else [f"did not finish (exit {self.exit_code})"]
+        bad += [f"{self.duplicates} trained twice"] if self.duplicates else []
+        bad += [f"{self.lost} lost"] if self.lost else []
+        bad += [] if self.staleness_max <= BOUND and not self.violations else ["staleness bound broken"]
+        bad += (
+            [] if self.drops_recovered else [f"stale drops {self.drops_before:.1f} -> {self.drops_after:.1f}"]
+        )
+        bad += [f"orphans {self.orphans}"] if self.orphans else []
+        bad += [f"ports still bound {self.busy_ports}"] if self.busy_ports else []
+        if self.fault.startswith("SIGSTOP") and self.restarted:
+            bad.append(f"a pause cost restarts of {self.restarted}")
+        role = self.fault.rsplit(" ", 1)[1]
+        if self.fault.startswith("kill") and role not in self.restarted:
+            bad.append(f"{role} was not restarted")
+        return bad
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "failures": self.failures()}
+
+
+def start(launcher: str, run_dir: Path, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sluice.cli", launcher, str(QUICKSTART), f"run.dir={run_dir}", *OVERRIDES]
+    if launcher == "ray":
+        cmd.append("ray.local_num_cpus=6")
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [*cmd, "--no-progress"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def steps_logged(run_dir: Path) -> int:
+    return len(read_jsonl(run_dir / "metrics" / "learner.jsonl"))
+
+
+def role_pids(run_dir: Path) -> dict[str, int]:
+    return {p.stem: json.loads(p.read_text())["pid"] for p in (run_dir / "endpoints").glob("*.json")}
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None:
+            raise RuntimeError(f"the run ended (exit {proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.25)
+
+
+def inject(fault: Fault, pid: int, pause_s: float) -> None:
+    if fault.kind == "kill":
+        os.kill(pid, signal.SIGKILL)
+        return
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(pause_s)  # the pause is the scenario
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def run_with_fault(
+    launcher: str, fault: Fault, work: Path, at_step: int = 30, pause_s: float = 20.0, timeout_s: float = 900
+) -> Report:
+    """One run under `launcher` (run | ray) with `fault` at `at_step`, accounted for."""
+    run_dir, log = work / "run", work / "launcher.log"
+    t0 = time.monotonic()
+    proc = start(launcher, run_dir, log)
+    seen: set[int] = set()
+    try:
+        wait_for(lambda: steps_logged(run_dir) >= at_step, proc, 300, f"{at_step} learner steps")
+        seen |= set(role_pids(run_dir).values())
+        inject(fault, role_pids(run_dir)[fault.role], pause_s)
+        code = proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    seen |= set(role_pids(run_dir).values())
+    report = Report(launcher, fault.name, code, time.monotonic() - t0)
+    account(report, run_dir, work / "experience.parquet", at_step)
+    report.orphans = sorted(p for p in seen if alive(p))
+    report.busy_ports = [p for p in run_ports(run_dir) if not port_is_free(p)]
+    return report
+
+
+def lineage(records: list[dict]) -> list[dict]:
+    """The audit records of the surviving lineage: each resume cuts what came after its
+    checkpoint (trained by a learner whose later state was lost)."""
+    out: list[dict] = []
+    for r in records:
+        if "resumed_from" in r:
+            out = [x for x in out if x["version"] <= r["resumed_from"]]
+        else:
+            out.append(r)
+    return out
+
+
+def account(report: Report, run_dir: Path, parquet: Path, at_step: int) -> None:
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    versions = [s["version"] for s in steps]
+    report.finished = report.exit_code == 0 and versions == list(range(1, STEPS + 1))
+    events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
+    report.restarted = [e["role"] for e in events if e.get("event") == "restarted"]
+    audit = lineage(read_jsonl(run_dir / "metrics" / "consumed.jsonl"))
+    trained = [i for r in audit for i in r["trained"]]
+    used = {i for r in audit for k in ("trained", "skipped", "dropped") for i in r.get(k, [])}
+    report.trained, report.duplicates = len(trained), len(trained) - len(set(trained))
+    export_experience(run_dir, parquet, "parquet")
+    rows = pq.read_table(parquet, columns=["traj_id", "fate"]).to_pylist()
+    fate = {r["traj_id"]: r["fate"] for r in rows}
+    report.stored = len(fate)
+    report.fates = {f: sum(1 for v in fate.values() if v == f) for f in sorted(set(fate.values()))}
+    acked_unused = [i for i, f in fate.items() if f == "acked" and i not in used]
+    report.lost = len(acked_unused) + len(set(trained) - set(fate))
+    report.staleness_max = max(s["staleness_max"] for s in steps) if steps else -1
+    report.violations = steps[-1]["total_violations"] if steps else -1
+    drops = [s.get("dropped_stale", 0) for s in steps]
+    report.drops_before = statistics.fmean(drops[5:at_step]) if len(drops) > at_step else float("nan")
+    report.drops_after = statistics.fmean(drops[-20:]) if drops else float("nan")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def run_ports(run_dir: Path) -> list[int]:
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    ports = [int(ep.rsplit(":", 1)[1]) for ep in cfg["buffer"]["endpoints"]]
+    ports += [int(cfg["weight_sync"]["master_port"]), int(cfg["control"]["port"])]
+    return ports
+
+
+def port_is_free(port: int) -> bool:
+    """Nothing listens on it and a server could bind it again now (SO_REUSEADDR, as ZeroMQ and
+    TCPStore bind)."""
+    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    if port in listening:
+        return False
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def table(reports: list[Report]) -> str:
+    """The summary, one row per run."""
+    head = (
+        f"{'launcher':8} {'fault':22} {'ok':4} {'exit':>4} {'wall s':>6} {'restarted':24} {'trained':>7} "
+        f"{'dup':>3} {'stored':>6} {'lost':>4} {'stale before/after':>18} {'stal.':>5} {'orph.':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in reports:
+        lines.append(
+            f"{r.launcher:8} {r.fault:22} {'yes' if not r.failures() else 'NO':4} {r.exit_code!s:>4} "
+            f"{r.wall_s:6.0f} {','.join(r.restarted) or '-':24} {r.trained:7d} {r.duplicates:3d} "
+            f"{r.stored:6d} {r.lost:4d} {r.drops_before:8.1f} / {r.drops_after:7.1f} {r.staleness_max:5d} "
+            f"{len(r.orphans):5d}"
+        )
+        lines += [f"    {f}" for f in r.failures()]
+    return "\n".join(lines)
