@@ -133,9 +133,7 @@ class BatchSource:
                 give_back(client, leased)
                 return None
             if leased.leases and time.monotonic() - leased_at > self.lease_timeout_s / 2:
-                give_back(client, leased)  # too old to keep waiting on: give back, start over
-                leased = LeasedBatch()
-                self.restarts += 1
+                leased = self._start_over(client, leased)  # too old to keep waiting on
             part = client.get(
                 lc.batch_size - len(leased.trajs),
                 min_version=min_version,
@@ -148,13 +146,18 @@ class BatchSource:
             if any(t.traj_id in held for t in part.trajs):
                 # A lease of this batch is gone (its shard restarted, or it expired) and its
                 # groups came back: give the rest back and start over from this part.
-                give_back(client, leased)
-                leased = LeasedBatch()
-                self.restarts += 1
+                leased = self._start_over(client, leased)
             if not leased.leases and part.leases:
                 leased_at = time.monotonic()
             leased.extend(part)
         return FetchedBatch(version, min_version, leased, leased_at, time.perf_counter() - t0)
+
+    def _start_over(self, client: BufferClient, leased: LeasedBatch) -> LeasedBatch:
+        """Give a partial batch back; the new one keeps its count of stale drops (the step
+        reports every drop its GETs saw: the shard's count and the learner's agree)."""
+        give_back(client, leased)
+        self.restarts += 1
+        return LeasedBatch(dropped_stale=leased.dropped_stale)
 
     def _run(self) -> None:
         client = BufferClient(self.endpoints, ctx=self.ctx, holder=self.holder)

@@ -11,7 +11,7 @@ from helpers.runs import ROOT
 
 from sluice.config import load_config
 from sluice.config.learner import GroupPorts
-from sluice.launch.plan import find_spec, plan_roles
+from sluice.launch.plan import find_spec, plan_roles, what_next
 from sluice.launch.ray_launcher import plan_resources
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -103,3 +103,20 @@ def test_a_per_role_command_outside_the_plan_is_a_config_error(args, expected):
         [sys.executable, "-m", "sluice.cli", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
     )
     assert proc.returncode == 2 and proc.stderr.strip().startswith(expected), proc.stderr[-2000:]
+
+
+def test_a_role_that_is_not_restarted_says_why_and_what_to_do(tmp_path):
+    cfg = load_config(QUICKSTART, [f"run.dir={tmp_path}", "learner.checkpoint_every=10"])
+    buffer, learner, rollout, _ = plan_roles(cfg)
+    assert "learner.checkpoint_every > 0" in what_next(cfg, learner, 0, -9)  # nothing to resume from
+    (tmp_path / "checkpoints" / "step_000020").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").symlink_to("step_000020")
+    hint = what_next(cfg, learner, 2, -9)
+    assert (
+        "learner.max_restarts=2 used up" in hint and "step_000020" in hint and "learner.resume=auto" in hint
+    )
+    assert "buffer.max_restarts=3 used up" in what_next(cfg, buffer, 3, -9)
+    assert "rollout.max_restarts=3 used up" in what_next(cfg, rollout, 3, 1)
+    assert "fail the same way" in what_next(cfg, rollout, 0, 3)  # a user's code raised
+    memory = load_config(QUICKSTART, [f"run.dir={tmp_path}", "buffer.durable=false"])
+    assert "buffer.durable: false" in what_next(memory, plan_roles(memory)[0], 0, -9)

@@ -32,7 +32,7 @@ from rich.console import Console
 from sluice.config.learner import GroupPorts
 from sluice.config.loader import ENV_PREFIX, dump_config
 from sluice.config.run import RunConfig
-from sluice.launch.plan import RoleSpec, learner_restartable, plan_roles
+from sluice.launch.plan import RoleSpec, learner_restartable, plan_roles, what_next
 from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
 from sluice.launch.threads import available_cores, plan_threads
@@ -287,6 +287,8 @@ class LocalLauncher:
         lines = child.log_path.read_text(errors="replace").splitlines()[-25:]
         self.console.print(f"[red]{child.name} exited with code {rc}; last lines of {child.log_path}:")
         self.console.print("\n".join(lines), markup=False, highlight=False)
+        done = self.learner_restarts.get(child.spec.policy, 0) if child.is_learner else child.restarts
+        self.console.print(f"[red]{child.name} is not restarted: {what_next(self.cfg, child.spec, done, rc)}")
 
     def shutdown(self, grace_s: float = 15.0) -> None:
         """Rollouts first (they read weights from the learner), then the learner, then shards.

@@ -158,3 +158,23 @@ def learner_restartable(cfg: RunConfig, policy: str, restarts_done: int, rc: int
 
     latest = checkpoint_root(cfg, policy) / "latest"
     return latest.exists() and restarts_done < cfg.learner.max_restarts and restartable(rc)
+
+
+def what_next(cfg: RunConfig, spec: RoleSpec, restarts_done: int, rc: int | None) -> str:
+    """One sentence for a role that died and will not be restarted: why not, and what to do
+    (the same under every launcher)."""
+    from sluice.config.policy import checkpoint_root
+    from sluice.launch.role import EXIT_CONFIG, EXIT_USER_CODE
+
+    if rc in (EXIT_CONFIG, EXIT_USER_CODE):
+        return "it would fail the same way again: fix what its log names, then run the config again"
+    if spec.kind == "learner":
+        latest = checkpoint_root(cfg, spec.policy) / "latest"
+        if not latest.exists():
+            return "no checkpoint to resume from yet: learner.checkpoint_every > 0 makes a run self-healing"
+        why = f"learner.max_restarts={cfg.learner.max_restarts} used up"
+        return f"{why}; to go on from {latest.resolve().name}, run the config again with learner.resume=auto"
+    if spec.kind == "buffer" and not cfg.buffer.durable:
+        return "a shard without a log (buffer.durable: false) cannot come back with what it held"
+    setting = {"buffer": "buffer.max_restarts", "rollout": "rollout.max_restarts"}[spec.kind]
+    return f"{setting}={spec.max_restarts} used up; run the config again with learner.resume=auto to go on"

@@ -25,7 +25,7 @@ from sluice.config.loader import config_from_dict, dump_config
 from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
 from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
-from sluice.launch.plan import RoleSpec, find_spec, learner_restartable, plan_roles, run_role_spec
+from sluice.launch.plan import RoleSpec, find_spec, learner_restartable, plan_roles, run_role_spec, what_next
 from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USER_CODE, quiet_libraries, restartable
 from sluice.metrics import JsonlLog
@@ -358,8 +358,10 @@ class RayLauncher:
             if rc != EXIT_OK and self._restart_learner_group(p, rc, error):
                 return None
             if rc != EXIT_OK:
+                hint = what_next(self.cfg, p.spec, self.learner_restarts.get(p.spec.policy, 0), rc)
                 self.console.print(
-                    f"[red]{p.name} ended ({error or f'exit {rc}'}); see {self.run_dir}/logs/{p.name}.log"
+                    f"[red]{p.name} ended ({error or f'exit {rc}'}); see {self.run_dir}/logs/{p.name}.log. "
+                    f"It is not restarted: {escape(hint)}"
                 )
                 return EXIT_FAILED
             done = all(q.exit_code == EXIT_OK for q in self.placed if q.spec.kind == "learner")
@@ -368,8 +370,10 @@ class RayLauncher:
             return None  # a rollout ends itself when the learner announces shutdown
         if p.restarts < p.spec.max_restarts and restartable(rc if isinstance(rc, int) else None):
             return self._restart_role(p, error or f"exited {rc}")
+        hint = what_next(self.cfg, p.spec, p.restarts, rc if isinstance(rc, int) else None)
+        why = error or f"exited {rc}"
         self.console.print(
-            f"[red]{p.name} {error or f'exited {rc}'}; failing the run (logs: {self.run_dir}/logs)"
+            f"[red]{p.name} {why}; failing the run (logs: {self.run_dir}/logs): {escape(hint)}"
         )
         return EXIT_FAILED
 
