@@ -2,7 +2,9 @@
 
 A long run must not leak: every role's resident memory (RSS) and open file descriptors are
 sampled every `--interval` seconds (psutil, the role processes the run's endpoints name, a
-restarted one followed) and compared between the first sample after `--warmup` and the last.
+restarted one followed) and compared between the first sample after `--warmup` (default: half
+the run, once bounded structures are full: a shard's dedupe window of `buffer.dedupe_window`
+ids, ~15 MiB, filled in the first ~3 minutes of the quickstart) and the last.
 A role is flat when its anonymous memory (RSS less file-backed pages) grew by less than 10% and
 its descriptors other than mapped log segments by at most 5. Mapped segments are reported
 apart: a same-host reader maps the shard's segment files (up to 8 per shard, `SegmentMaps`),
@@ -10,7 +12,7 @@ and their pages count in RSS as clean file pages the kernel can reclaim. Durable
 shards with checkpoints every 50 steps and the experience archive off (the archive grows by
 design) exercise the log's compaction and recycling all along.
 
-    python benchmarks/soak.py [--minutes 10] [--interval 10] [--warmup 60] [--out benchmarks/results/soak]
+    python benchmarks/soak.py [--minutes 10] [--interval 10] [--warmup S] [--out benchmarks/results/soak]
     python benchmarks/soak.py --quick      # smoke test: 25 s, not a measurement
 
 Prints a table and writes <out>/soak.json and <out>/soak.png (RSS and descriptors over time).
@@ -123,12 +125,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--interval", type=float, default=10.0)
-    ap.add_argument("--warmup", type=float, default=60.0)
+    ap.add_argument("--warmup", type=float, default=None, help="s ignored first (default: half the run)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak")
     ap.add_argument("--quick", action="store_true", help="25 s, samples every 2 s: a smoke test")
     args = ap.parse_args()
     if args.quick:
         args.minutes, args.interval, args.warmup = 25 / 60, 2.0, 10.0
+    if args.warmup is None:  # bounded structures fill first: the buffer's dedupe window took ~3 min
+        args.warmup = args.minutes * 30
     console = Console()
     with tempfile.TemporaryDirectory(prefix="sluice-soak-") as work:
         samples, steps, code = soak(Path(work) / "run", args.minutes * 60, args.interval, console)

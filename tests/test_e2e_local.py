@@ -5,47 +5,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-from pathlib import Path
 
 import psutil
 import pytest
 from helpers import wait
+from helpers.run_state import port_is_free, role_pids, run_ports
 from helpers.runs import learner_steps, sluice_run, start_run, wait_until
 
 from sluice.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
-
-
-def port_is_free(port: int) -> bool:
-    """Nothing listens on the port and a server could bind it again now (SO_REUSEADDR, as
-    ZeroMQ and TCPStore bind; connections of the ended run may linger in TIME_WAIT)."""
-    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-    if port in listening:
-        return False
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def run_ports(run_dir: Path) -> list[int]:
-    import yaml
-
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    ports = [int(ep.rsplit(":", 1)[1]) for ep in cfg["buffer"]["endpoints"]]
-    ports.append(int(cfg["weight_sync"]["master_port"]))
-    for rec in (run_dir / "endpoints").glob("*.json"):
-        ports.append(json.loads(rec.read_text())["metrics_port"])
-    return ports
-
-
-def role_pids(run_dir: Path) -> list[int]:
-    return [json.loads(p.read_text())["pid"] for p in (run_dir / "endpoints").glob("*.json")]
 
 
 def test_quickstart_learns_and_cleans_up(tmp_path):
@@ -70,7 +39,7 @@ def test_quickstart_learns_and_cleans_up(tmp_path):
     assert {"learner", "buffer-0", "rollout-0", "rollout-1"} <= {
         p.stem for p in (run_dir / "endpoints").glob("*.json")
     }
-    assert not [pid for pid in role_pids(run_dir) if psutil.pid_exists(pid)]
+    assert not [pid for pid in role_pids(run_dir).values() if psutil.pid_exists(pid)]
     assert all(port_is_free(p) for p in run_ports(run_dir))
 
 
@@ -107,7 +76,7 @@ def test_killed_rollout_is_restarted_then_ctrl_c_stops_every_role_and_frees_port
     steps = learner_steps(run_dir)
     wait_until(lambda: learner_steps(run_dir) >= steps + 5, proc, "5 more learner steps")
 
-    pids = role_pids(run_dir)
+    pids = list(role_pids(run_dir).values())
     assert len(pids) == 4 and killed not in pids
     os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends to the launcher
     proc.wait(timeout=60)

@@ -14,10 +14,8 @@ launchers; tests/chaos/test_chaos.py runs the `sluice run` rows in CI.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,9 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import psutil
 import pyarrow.parquet as pq
-import yaml
+from helpers.run_state import alive, port_is_free, role_pids, run_ports
 
 from sluice.experience import export_experience
 from sluice.metrics import read_jsonl
@@ -75,6 +72,7 @@ class Report:
     wall_s: float
     finished: bool = False  # exit 0 and versions 1..STEPS, each once
     restarted: list[str] = field(default_factory=list)
+    moved: list[str] = field(default_factory=list)  # restarted on another node than placed (Ray)
     trained: int = 0
     duplicates: int = 0  # ids trained twice along the surviving lineage
     stored: int = 0  # trajectories the shards acknowledged (the export's rows)
@@ -100,6 +98,7 @@ class Report:
         bad += (
             [] if self.drops_recovered else [f"stale drops {self.drops_before:.1f} -> {self.drops_after:.1f}"]
         )
+        bad += [f"restarted away from its node: {self.moved}"] if self.moved else []
         bad += [f"orphans {self.orphans}"] if self.orphans else []
         bad += [f"ports still bound {self.busy_ports}"] if self.busy_ports else []
         if self.fault.startswith("SIGSTOP") and self.restarted:
@@ -125,10 +124,6 @@ def start(launcher: str, run_dir: Path, log: Path) -> subprocess.Popen:
 
 def steps_logged(run_dir: Path) -> int:
     return len(read_jsonl(run_dir / "metrics" / "learner.jsonl"))
-
-
-def role_pids(run_dir: Path) -> dict[str, int]:
-    return {p.stem: json.loads(p.read_text())["pid"] for p in (run_dir / "endpoints").glob("*.json")}
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout_s: float, what: str) -> None:
@@ -195,6 +190,12 @@ def account(report: Report, run_dir: Path, parquet: Path, at_step: int) -> None:
     report.finished = report.exit_code == 0 and versions == list(range(1, STEPS + 1))
     events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
     report.restarted = [e["role"] for e in events if e.get("event") == "restarted"]
+    placed = {e["role"]: e.get("node_id") for e in events if e.get("event") == "placed"}
+    report.moved = [
+        e["role"]
+        for e in events
+        if e.get("event") == "restarted" and e.get("node_id") != placed.get(e["role"])
+    ]
     audit = lineage(read_jsonl(run_dir / "metrics" / "consumed.jsonl"))
     trained = [i for r in audit for i in r["trained"]]
     used = {i for r in audit for k in ("trained", "skipped", "dropped") for i in r.get(k, [])}
@@ -211,35 +212,6 @@ def account(report: Report, run_dir: Path, parquet: Path, at_step: int) -> None:
     drops = [s.get("dropped_stale", 0) for s in steps]
     report.drops_before = statistics.fmean(drops[5:at_step]) if len(drops) > at_step else float("nan")
     report.drops_after = statistics.fmean(drops[-20:]) if drops else float("nan")
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def run_ports(run_dir: Path) -> list[int]:
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    ports = [int(ep.rsplit(":", 1)[1]) for ep in cfg["buffer"]["endpoints"]]
-    ports += [int(cfg["weight_sync"]["master_port"]), int(cfg["control"]["port"])]
-    return ports
-
-
-def port_is_free(port: int) -> bool:
-    """Nothing listens on it and a server could bind it again now (SO_REUSEADDR, as ZeroMQ and
-    TCPStore bind)."""
-    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-    if port in listening:
-        return False
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def table(reports: list[Report]) -> str:
