@@ -358,7 +358,8 @@ class RayLauncher:
             if rc != EXIT_OK and self._restart_learner_group(p, rc, error):
                 return None
             if rc != EXIT_OK:
-                hint = what_next(self.cfg, p.spec, self.learner_restarts.get(p.spec.policy, 0), rc)
+                code = rc if isinstance(rc, int) else None
+                hint = what_next(self.cfg, p.spec, self.learner_restarts.get(p.spec.policy, 0), code)
                 self.console.print(
                     f"[red]{p.name} ended ({error or f'exit {rc}'}); see {self.run_dir}/logs/{p.name}.log. "
                     f"It is not restarted: {escape(hint)}"
