@@ -36,7 +36,6 @@ STEPS, BATCH, BOUND = 80, 128, 1
 OVERRIDES = (
     "rollout.engine=hf",
     "buffer.shards=2",
-    f"learner.total_steps={STEPS}",
     "learner.checkpoint_every=10",
     "learner.audit_consumed=true",
     "buffer.archive=true",
@@ -70,7 +69,7 @@ class Report:
     fault: str
     exit_code: int | None
     wall_s: float
-    finished: bool = False  # exit 0 and versions 1..STEPS, each once
+    finished: bool = False  # exit 0 and versions 1..steps, each once
     restarted: list[str] = field(default_factory=list)
     moved: list[str] = field(default_factory=list)  # restarted on another node than placed (Ray)
     trained: int = 0
@@ -81,7 +80,7 @@ class Report:
     staleness_max: int = 0
     violations: int = 0
     drops_before: float = 0.0  # stale drops per step before the fault
-    drops_after: float = 0.0  # ... over the last 20 steps
+    drops_after: float = 0.0  # ... over the second half of what followed it
     orphans: list[int] = field(default_factory=list)
     busy_ports: list[int] = field(default_factory=list)
 
@@ -112,8 +111,9 @@ class Report:
         return {**asdict(self), "failures": self.failures()}
 
 
-def start(launcher: str, run_dir: Path, log: Path) -> subprocess.Popen:
+def start(launcher: str, run_dir: Path, log: Path, steps: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sluice.cli", launcher, str(QUICKSTART), f"run.dir={run_dir}", *OVERRIDES]
+    cmd.append(f"learner.total_steps={steps}")
     if launcher == "ray":
         cmd.append("ray.local_num_cpus=6")
     with log.open("wb") as out:
@@ -148,12 +148,18 @@ def inject(fault: Fault, pid: int, pause_s: float) -> None:
 
 
 def run_with_fault(
-    launcher: str, fault: Fault, work: Path, at_step: int = 30, pause_s: float = 20.0, timeout_s: float = 900
+    launcher: str,
+    fault: Fault,
+    work: Path,
+    at_step: int = 30,
+    steps: int = STEPS,
+    pause_s: float = 20.0,
+    timeout_s: float = 900,
 ) -> Report:
-    """One run under `launcher` (run | ray) with `fault` at `at_step`, accounted for."""
+    """One run of `steps` under `launcher` (run | ray) with `fault` at `at_step`, accounted for."""
     run_dir, log = work / "run", work / "launcher.log"
     t0 = time.monotonic()
-    proc = start(launcher, run_dir, log)
+    proc = start(launcher, run_dir, log, steps)
     seen: set[int] = set()
     try:
         wait_for(lambda: steps_logged(run_dir) >= at_step, proc, 300, f"{at_step} learner steps")
@@ -166,7 +172,7 @@ def run_with_fault(
             proc.wait()
     seen |= set(role_pids(run_dir).values())
     report = Report(launcher, fault.name, code, time.monotonic() - t0)
-    account(report, run_dir, work / "experience.parquet", at_step)
+    account(report, run_dir, work / "experience.parquet", at_step, steps)
     report.orphans = sorted(p for p in seen if alive(p))
     report.busy_ports = [p for p in run_ports(run_dir) if not port_is_free(p)]
     return report
@@ -184,10 +190,10 @@ def lineage(records: list[dict]) -> list[dict]:
     return out
 
 
-def account(report: Report, run_dir: Path, parquet: Path, at_step: int) -> None:
-    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
-    versions = [s["version"] for s in steps]
-    report.finished = report.exit_code == 0 and versions == list(range(1, STEPS + 1))
+def account(report: Report, run_dir: Path, parquet: Path, at_step: int, steps: int) -> None:
+    logged = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    versions = [s["version"] for s in logged]
+    report.finished = report.exit_code == 0 and versions == list(range(1, steps + 1))
     events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
     report.restarted = [e["role"] for e in events if e.get("event") == "restarted"]
     placed = {e["role"]: e.get("node_id") for e in events if e.get("event") == "placed"}
@@ -207,11 +213,12 @@ def account(report: Report, run_dir: Path, parquet: Path, at_step: int) -> None:
     report.fates = {f: sum(1 for v in fate.values() if v == f) for f in sorted(set(fate.values()))}
     acked_unused = [i for i, f in fate.items() if f == "acked" and i not in used]
     report.lost = len(acked_unused) + len(set(trained) - set(fate))
-    report.staleness_max = max(s["staleness_max"] for s in steps) if steps else -1
-    report.violations = steps[-1]["total_violations"] if steps else -1
-    drops = [s.get("dropped_stale", 0) for s in steps]
+    report.staleness_max = max(s["staleness_max"] for s in logged) if logged else -1
+    report.violations = logged[-1]["total_violations"] if logged else -1
+    drops = [s.get("dropped_stale", 0) for s in logged]
     report.drops_before = statistics.fmean(drops[5:at_step]) if len(drops) > at_step else float("nan")
-    report.drops_after = statistics.fmean(drops[-20:]) if drops else float("nan")
+    settled = at_step + (steps - at_step) // 2  # the second half of what followed the fault
+    report.drops_after = statistics.fmean(drops[settled:]) if len(drops) > settled else float("nan")
 
 
 def table(reports: list[Report]) -> str:

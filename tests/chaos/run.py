@@ -2,7 +2,7 @@
 `sluice ray`, one after another (2 cores: never two runs at once). Prints the summary table
 and writes it as JSON.
 
-    python tests/chaos/run.py [--launcher run|ray|both] [--out chaos.json]
+    python tests/chaos/run.py [--launcher run|ray|both] [--steps N --at-step K] [--out chaos.json]
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from harness import FAULTS, run_with_fault, table  # noqa: E402
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--launcher", choices=["run", "ray", "both"], default="both")
     ap.add_argument("--out", type=Path, default=Path("chaos.json"))
+    ap.add_argument("--steps", type=int, default=80, help="learner steps per run")
+    ap.add_argument("--at-step", type=int, default=30, help="the step at which the fault strikes")
     args = ap.parse_args()
     launchers = ["run", "ray"] if args.launcher == "both" else [args.launcher]
     reports = []
@@ -29,7 +31,7 @@ def main() -> int:
         for fault in FAULTS:
             with tempfile.TemporaryDirectory(prefix="sluice-chaos-") as work:
                 print(f"{launcher}: {fault.name} ...", flush=True)
-                reports.append(run_with_fault(launcher, fault, Path(work)))
+                reports.append(run_with_fault(launcher, fault, Path(work), args.at_step, args.steps))
                 print(table(reports[-1:]), flush=True)
     print(table(reports))
     args.out.write_text(json.dumps([r.as_dict() for r in reports], indent=1))
