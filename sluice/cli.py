@@ -8,6 +8,8 @@ modules, call `run_<role>`.
     sluice learner CONFIG [--policy P] [key=value ...] one rank of a learner group
     sluice status CONFIG|RUN_DIR [--once] [--json]    live table of every role of a run
     sluice config CONFIG [key=value ...]              print the resolved config (checks it)
+    sluice compose CONFIG [key=value ...]             a docker-compose file, one service per role
+    sluice k8s CONFIG [key=value ...] [--ray]         Kubernetes manifests, one pod per role (or a RayJob)
     sluice keys DIR                                   CURVE key pairs for security.curve
     sluice export CHECKPOINT OUT_DIR                  a checkpoint as a Hugging Face model dir
     sluice plots RUN_DIR                              PNG plots of a run's metrics
@@ -170,6 +172,21 @@ def learner(
     raise _run_planned(cfg, "learner", int(os.environ.get("RANK", "0")), policy)
 
 
+OutOpt = Annotated[str | None, typer.Option(help="write here instead of stdout")]
+
+
+def _emit(text: str, out: str | None) -> None:
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        Path(out).write_text(text)
+
+
+def _shown_as(config: str, overrides: list[str] | None) -> str:
+    """How a generated file's header names the command that made it."""
+    return " ".join(["configs/" + Path(config).name, *(overrides or [])])
+
+
 @app.command()
 def compose(
     config: ConfigArg,
@@ -177,18 +194,40 @@ def compose(
     config_path: Annotated[
         str | None, typer.Option(help="the config's path inside the containers (default /app/configs/<name>)")
     ] = None,
-    out: Annotated[str | None, typer.Option(help="write here instead of stdout")] = None,
+    out: OutOpt = None,
 ) -> None:
     """A docker-compose file with one service per process of the config's role plan."""
     from sluice.launch.compose import compose_text
 
     cfg = _load(config, overrides)
     inside = config_path or f"/app/configs/{Path(config).name}"
-    text = compose_text(cfg, inside, shown_as=" ".join(["configs/" + Path(config).name, *(overrides or [])]))
-    if out is None:
-        typer.echo(text, nl=False)
-    else:
-        Path(out).write_text(text)
+    _emit(compose_text(cfg, inside, shown_as=_shown_as(config, overrides)), out)
+
+
+@app.command()
+def k8s(
+    config: ConfigArg,
+    overrides: OverridesArg = None,
+    ray: Annotated[bool, typer.Option("--ray", help="a KubeRay RayJob running `sluice ray` instead")] = False,
+    image: Annotated[
+        str | None, typer.Option(help="container image (default sluice:dev, with --ray sluice:ray)")
+    ] = None,
+    out: OutOpt = None,
+) -> None:
+    """Kubernetes manifests: one pod per process of the config's role plan (docs/deploy.md)."""
+    from sluice.launch.k8s import k8s_text
+    from sluice.launch.rayjob import rayjob_text
+
+    cfg = _load(config, overrides)
+    shown_as = _shown_as(config, overrides)
+    try:
+        if ray:
+            text = rayjob_text(cfg, shown_as, image or "sluice:ray")
+        else:
+            text = k8s_text(cfg, shown_as, image or "sluice:dev")
+    except ValueError as e:
+        raise _fail(f"config error: {e}") from None
+    _emit(text, out)
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""deploy/: the compose file, Ray cluster YAML, systemd units and Slurm script match the CLI
+"""deploy/: the compose file, Ray cluster YAML, systemd units and Slurm scripts match the CLI
 and the config they run."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -213,3 +214,103 @@ def test_compose_for_two_policies_and_a_learner_group_of_two():
         assert str(view.control.port) in services[head]["expose"]
     assert services["learner-b-r1"]["environment"]["MASTER_ADDR"] == "learner-b"
     assert services["learner-b-r1"]["environment"]["RANK"] == "1"
+
+
+SLURM_RAY = DEPLOY / "slurm" / "sluice-ray.sbatch"
+
+
+def _stub(bin_dir: Path, name: str, body: str) -> Path:
+    path = bin_dir / name
+    path.write_text(f"#!/usr/bin/env bash\n{body}\n")
+    path.chmod(0o755)
+    return path
+
+
+def _slurm_ray_stubs(tmp_path: Path) -> dict[str, str]:
+    """Stand-ins for Slurm, Ray, Python and sluice that log their command lines: srun runs its
+    command here, a blocking `ray start` runs until SIGTERM, and the wait for the cluster (the
+    script's Python part) returns once both `ray start` steps run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    record = f'echo "$(basename "$0") $*" >> {log}'
+    _stub(bin_dir, "scontrol", 'printf "node1\\nnode2\\nnode3\\n"')
+    _stub(bin_dir, "hostname", 'echo "10.0.0.1 172.17.0.1"')
+    _stub(bin_dir, "srun", f'{record}\nwhile [[ "$1" == -* ]]; do shift; done\nexec "$@"')
+    stopped = f'echo "ray stopped" >> {log}; exit 0'
+    block = f"trap '{stopped}' TERM; while :; do sleep 0.05; done"
+    _stub(bin_dir, "ray", f'{record}\nif [[ " $* " == *" --block "* ]]; then {block}; fi')
+    joined = f'[[ $(grep -c "^ray start" {log}) == 2 ]]'  # both Ray steps are up
+    _stub(bin_dir, "python", f"{record}\ncat > /dev/null\nuntil {joined}; do sleep 0.05; done")
+    _stub(bin_dir, "sluice", f'{record}\nexit "${{SLUICE_RC:-0}}"')
+    return {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "RAY": str(bin_dir / "ray"),
+        "PYTHON": str(bin_dir / "python"),
+        "SLUICE": str(bin_dir / "sluice"),
+        "SLURM_JOB_NODELIST": "node[1-3]",
+        "SLURM_JOB_ID": "77",
+        "SLURM_CPUS_PER_TASK": "4",
+    }
+
+
+@pytest.mark.parametrize("rc", [0, 1])
+def test_slurm_ray_script_starts_a_cluster_runs_sluice_ray_and_stops_it(tmp_path, rc, process_reaper):
+    """Run the script with stand-ins: the head on the first node, workers on the others, a
+    wait for all three nodes, `sluice ray` against the head (a valid command line for the
+    config), the Ray steps stopped afterwards and the run's exit code passed on."""
+    assert subprocess.run(["bash", "-n", str(SLURM_RAY)]).returncode == 0
+    env = _slurm_ray_stubs(tmp_path) | {"SLUICE_RC": str(rc), "CONFIG": "configs/quickstart.yaml"}
+    proc = subprocess.Popen(
+        ["bash", str(SLURM_RAY)], cwd=tmp_path, env=env, stderr=subprocess.PIPE, start_new_session=True
+    )
+    process_reaper.append(proc)  # the stand-ins too, if the script hangs
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == rc, err.decode()
+    calls = (tmp_path / "calls.log").read_text().splitlines()
+    head = "ray start --head --block --node-ip-address=10.0.0.1 --port=6379 --num-cpus=4"
+    workers = "ray start --block --address=10.0.0.1:6379 --num-cpus=4"
+    assert head in calls and workers in calls
+    _check_ray_start(head, workers)
+    assert "srun --nodes=2 --ntasks=2 --exclude=node1 " + env["RAY"] + " " + workers[4:] in calls
+    assert "python - 10.0.0.1:6379 3 300" in calls
+    (sluice_line,) = [c for c in calls if c.startswith("sluice ")]
+    assert calls.index(sluice_line) > calls.index("python - 10.0.0.1:6379 3 300")
+    assert calls[-2:] == ["ray stopped", "ray stopped"]  # both steps, after the run
+    command, params = parse_cli(shlex.split(sluice_line)[1:])
+    assert command == "ray" and params["no_progress"]
+    cfg = load_config(ROOT / params["config"], params["overrides"])
+    assert cfg.ray.address == "10.0.0.1:6379" and cfg.run.dir == f"{tmp_path}/runs/slurm-ray-77"
+
+
+def _check_ray_start(*lines: str) -> None:
+    """The `ray start` command lines parse with Ray's own CLI (when Ray is installed)."""
+    scripts = pytest.importorskip("ray.scripts.scripts")
+    start = scripts.cli.get_command(click.Context(scripts.cli), "start")
+    for line in lines:
+        start.make_context("ray start", shlex.split(line)[2:])
+
+
+def test_slurm_ray_script_waits_for_every_node(tmp_path):
+    """The script's Python part, run against a stand-in `ray` module: it retries until the head
+    answers, then waits until the allocation's nodes are alive."""
+    script = re.search(r"<<'PY'\n(.*?)\nPY\n", SLURM_RAY.read_text(), re.S).group(1)
+    fake = tmp_path / "ray"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "calls = {'init': 0, 'nodes': 0}\n"
+        "def init(address, logging_level):\n"
+        "    calls['init'] += 1\n"
+        "    if calls['init'] < 3:\n"
+        "        raise ConnectionError('no head yet')\n"
+        "def shutdown():\n    pass\n"
+        "def nodes():\n"
+        "    calls['nodes'] += 1\n"
+        "    return [{'Alive': True}] * min(calls['nodes'], 3)\n"
+    )
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    args = [sys.executable, "-c", script.replace("time.sleep(2)", "time.sleep(0)")]
+    ok = subprocess.run([*args, "10.0.0.1:6379", "3", "5"], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0 and "3 nodes at 10.0.0.1:6379" in ok.stdout, ok.stderr
+    short = subprocess.run([*args, "10.0.0.1:6379", "4", "0.2"], env=env, capture_output=True, text=True)
+    assert short.returncode == 1 and "3 of 4 Ray nodes joined" in short.stderr
