@@ -24,8 +24,18 @@ CPU s/GB is the CPU time (user + system) of every process of the case (sender/pr
 relay/shards, receiver/consumer) per GB moved: unlike throughput it hardly depends on what
 else loads the machine. Then one shard is filled to capacity to measure its memory (RSS).
 
+`--netns` (root; `ip netns`) adds the cases again between two addresses: two network
+namespaces joined by veth pairs on a bridge (sluice/testing/netns.py), the producer, the
+consumer and the raw ZeroMQ receiver in one, the shards, the relay and the raw sender in the
+other, so every byte crosses veth, bridge and veth as it would between hosts, not loopback.
+They show as `... over veth` beside raw ZeroMQ and the relay between the same two addresses
+("vs raw", "vs relay" compare with those), Sluice with every byte in ZeroMQ frames: what a
+client on another host uses (the namespaces still share one filesystem, so `auto` would find
+the shards' files and share memory).
+
     python benchmarks/buffer_throughput.py            # several minutes
     python benchmarks/buffer_throughput.py --quick    # seconds (the smoke test uses it)
+    python benchmarks/buffer_throughput.py --quick --netns --no-ray --transports zmq
 
 Prints a table and writes JSON (default benchmarks/results/buffer_throughput.json).
 """
@@ -33,6 +43,7 @@ Prints a table and writes JSON (default benchmarks/results/buffer_throughput.jso
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -44,12 +55,16 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
 import zmq
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from sluice.testing.netns import Lab
 
 KB = 1024
 MB = 1024 * 1024
@@ -58,6 +73,8 @@ SHARD_LOG = {"compact_min_bytes": 128 * MB, "segment_bytes": 32 * MB}  # log set
 
 
 TRANSPORTS = {"zmq": "zmq", "same-host": "auto"}  # name in the table -> buffer.same_host_transport
+VETH = "veth"  # Case.link of the cases between two network namespaces (--netns)
+NETNS_PORTS = itertools.count(20000)  # ports in the --netns namespaces, where nothing else listens
 
 
 @dataclass
@@ -76,11 +93,13 @@ class Case:
     shared_fraction: float = 0.0  # sluice: share of trajectories that went through shared memory
     cpu_roles: dict[str, float] = field(default_factory=dict)  # sluice: CPU s/GB of each role
     mb_per_s_runs: list[float] = field(default_factory=list)  # every run's MB/s (with --repeat)
+    link: str = ""  # "": over loopback; "veth": between two network namespaces (--netns)
 
     @property
     def name(self) -> str:
         name = self.system if not self.transport else f"{self.system} {self.transport}"
-        return name if not self.note else f"{name} ({self.note})"
+        name = name if not self.note else f"{name} ({self.note})"
+        return name if not self.link else f"{name} over {self.link}"
 
     @property
     def trajs_per_s(self) -> float:
@@ -134,6 +153,26 @@ def free_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
+def endpoint_at(across: Lab | None, label: str) -> str:
+    """A free endpoint on loopback, or (`across`) at the address of the lab's host `label`."""
+    if across is None:
+        return free_endpoint()
+    return f"tcp://{across[label].addr}:{next(NETNS_PORTS)}"
+
+
+def netns_of(across: Lab | None, label: str) -> str | None:
+    """The namespace a process of host `label` enters first thing (None: where it starts)."""
+    return None if across is None else across[label].netns
+
+
+def enter_netns(netns: str | None) -> None:
+    """A spawned process's first step: into its host's namespace (--netns), before any socket."""
+    if netns is not None:
+        from sluice.testing.netns import enter
+
+        enter(netns)
+
+
 class CpuMeter:
     """CPU time (user + system, threads included) of this process and the given children."""
 
@@ -162,7 +201,8 @@ class CpuMeter:
 # -- raw ZeroMQ --------------------------------------------------------------------------------
 
 
-def _raw_sender(endpoint: str, size: int, n: int) -> None:
+def _raw_sender(endpoint: str, size: int, n: int, netns: str | None = None) -> None:
+    enter_netns(netns)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 1000)
@@ -174,7 +214,8 @@ def _raw_sender(endpoint: str, size: int, n: int) -> None:
     ctx.term()
 
 
-def _raw_relay(bind_in: str, connect_out: str, n: int) -> None:
+def _raw_relay(bind_in: str, connect_out: str, n: int, netns: str | None = None) -> None:
+    enter_netns(netns)
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (pull, push):
@@ -189,20 +230,23 @@ def _raw_relay(bind_in: str, connect_out: str, n: int) -> None:
     ctx.term()
 
 
-def bench_raw_zmq(size: int, n: int, relay: bool = False) -> Case:
+def bench_raw_zmq(size: int, n: int, relay: bool = False, across: Lab | None = None) -> Case:
+    """Raw ZeroMQ into this process, from a sender or through a relay. `across` (the calling
+    thread in its client namespace): the sender, or the relay, in the shards' namespace."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, 1000)
     sock.setsockopt(zmq.LINGER, 0)
-    endpoint = free_endpoint()
+    endpoint = endpoint_at(across, "client")
     sock.bind(endpoint)
     warm = max(1, n // 20)
     ctx_mp = mp.get_context("spawn")
-    procs = [ctx_mp.Process(target=_raw_sender, args=(endpoint, size, n + warm))]
+    far = netns_of(across, "shards")
+    procs = [ctx_mp.Process(target=_raw_sender, args=(endpoint, size, n + warm, far))]
     if relay:
-        relay_in = free_endpoint()
+        relay_in = endpoint_at(across, "shards")
         procs = [
-            ctx_mp.Process(target=_raw_relay, args=(relay_in, endpoint, n + warm)),
+            ctx_mp.Process(target=_raw_relay, args=(relay_in, endpoint, n + warm, far)),
             ctx_mp.Process(target=_raw_sender, args=(relay_in, size, n + warm)),
         ]
     for p in procs:
@@ -227,7 +271,8 @@ def bench_raw_zmq(size: int, n: int, relay: bool = False) -> Case:
                 p.kill()
         sock.close()
         ctx.term()
-    return Case("raw_zmq_relay" if relay else "raw_zmq", 0, size, n, seconds, cpu_s=cpu)
+    name = "raw_zmq_relay" if relay else "raw_zmq"
+    return Case(name, 0, size, n, seconds, cpu_s=cpu, link=VETH if across else "")
 
 
 # -- Ray queue ---------------------------------------------------------------------------------
@@ -273,7 +318,10 @@ class RayBaseline:
 # -- Sluice ------------------------------------------------------------------------------------
 
 
-def _shard_main(cfg_json: str, shard: int, log_dir: str | None, ready, stop) -> None:
+def _shard_main(
+    cfg_json: str, shard: int, log_dir: str | None, ready, stop, netns: str | None = None
+) -> None:
+    enter_netns(netns)
     from sluice.buffer.server import ShardServer
     from sluice.config.buffer import BufferConfig
 
@@ -341,13 +389,14 @@ class ShardFleet:
         capacity: int,
         capacity_bytes: int,
         transport: str = "zmq",
+        across: Lab | None = None,
     ) -> None:
         from sluice.config.buffer import BufferConfig
 
         self.tmp = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
         self.cfg = BufferConfig(
             shards=shards,
-            endpoints=[free_endpoint() for _ in range(shards)],
+            endpoints=[endpoint_at(across, "shards") for _ in range(shards)],
             fsync=fsync,
             durable=durable,
             capacity=capacity,
@@ -362,9 +411,8 @@ class ShardFleet:
         for k in range(shards):
             ready = ctx.Event()
             log_dir = str(self.cfg.shard_log_dir(k, None)) if durable else None
-            p = ctx.Process(
-                target=_shard_main, args=(self.cfg.model_dump_json(), k, log_dir, ready, self.stop)
-            )
+            args = (self.cfg.model_dump_json(), k, log_dir, ready, self.stop, netns_of(across, "shards"))
+            p = ctx.Process(target=_shard_main, args=args)
             p.start()
             if not ready.wait(60):
                 raise TimeoutError(f"shard {k} did not start")
@@ -390,8 +438,10 @@ def bench_sluice(
     reads: bool = False,
     window: int = 2,
     ack_with_get: bool = True,
+    across: Lab | None = None,
 ) -> Case:
-    """PUT + GET + ACK through `shards` shard processes. `reads`: the consumer reads every byte."""
+    """PUT + GET + ACK through `shards` shard processes. `reads`: the consumer reads every byte.
+    `across` (the calling thread in its client namespace): the shards in the other namespace."""
     import xxhash
 
     from sluice.buffer.client import BufferClient
@@ -405,6 +455,7 @@ def bench_sluice(
         capacity=capacity,
         capacity_bytes=max(1 << 30, 8 * batch * size),
         transport=transport,
+        across=across,
     )
     ctx = mp.get_context("spawn")
     ready, go, done, release = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
@@ -500,7 +551,35 @@ def bench_sluice(
         cpu_roles=roles,
         log_amplification=written / (total * size),
         compacted_share=compacted / max(1, written),
+        link=VETH if across else "",
     )
+
+
+def bench_across(lab: Lab, size: int, n: int, shard_counts: list[int], fsync: str, opts: dict) -> list[Case]:
+    """The --netns cases: raw ZeroMQ and the relay between the lab's two namespaces, then Sluice
+    (every byte in ZeroMQ frames, as for a client on another host) with each shard count. This
+    thread is in the client namespace meanwhile: the consumer, and the processes it starts
+    (producer, raw sender behind a relay), are there; shards, relay and raw sender enter theirs."""
+    from sluice.testing.netns import inside
+
+    with inside(lab["client"].netns):
+        cases = [bench_raw_zmq(size, n, across=lab), bench_raw_zmq(size, n, relay=True, across=lab)]
+        for shards in shard_counts:
+            cases.append(bench_sluice(shards, size, n, fsync, transport="zmq", across=lab, **opts))
+    return cases
+
+
+def open_lab(enabled: bool) -> Lab | None:
+    """The two namespaces of --netns (client, shards), or None without it; exits with the
+    reason when they cannot be made here."""
+    if not enabled:
+        return None
+    from sluice.testing.netns import Lab, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"--netns: {reason}")
+    return Lab(["client", "shards"])
 
 
 def measure_memory(size: int, capacity: int, transport: str = "zmq") -> MemoryPoint:
@@ -597,10 +676,13 @@ def report(results: Results, console: Console) -> None:
         table.add_column(col, justify="left" if col == "system" else "right")
     for size in sorted(by_size):
         cases = by_size[size]
-        raw = next((c for c in cases.values() if c.system == "raw_zmq"), None)
-        relay = next((c for c in cases.values() if c.system == "raw_zmq_relay"), None)
-        ray = next((c for c in cases.values() if c.system == "ray_queue"), None)
         for c in cases.values():
+            # each row against the baselines over the same link (loopback, or the same two addresses)
+            raw = next((b for b in cases.values() if b.system == "raw_zmq" and b.link == c.link), None)
+            relay = next(
+                (b for b in cases.values() if b.system == "raw_zmq_relay" and b.link == c.link), None
+            )
+            ray = next((b for b in cases.values() if b.system == "ray_queue" and b.link == c.link), None)
             table.add_row(
                 size_name(size),
                 c.name,
@@ -615,29 +697,34 @@ def report(results: Results, console: Console) -> None:
             )
     console.print(table)
     if results.memory:
-        mem = Table(title="Shard memory at capacity")
-        for col in (
-            "size",
-            "transport",
-            "capacity",
-            "payload MB",
-            "RSS empty MB",
-            "RSS full MB",
-            "RSS growth / payload",
-        ):
-            mem.add_column(col, justify="right")
-        for m in results.memory:
-            mem.add_row(
-                size_name(m.size),
-                m.transport,
-                str(m.capacity),
-                f"{m.held_bytes / MB:.1f}",
-                f"{m.rss_empty / MB:.1f}",
-                f"{m.rss_full / MB:.1f}",
-                f"{m.overhead:.2f}",
-            )
-        console.print(mem)
+        console.print(memory_table(results.memory))
     console.print(f"machine: {results.machine}")
+
+
+def memory_table(memory: list[MemoryPoint]) -> Table:
+    """Shard memory at capacity, one row per point."""
+    mem = Table(title="Shard memory at capacity")
+    for col in (
+        "size",
+        "transport",
+        "capacity",
+        "payload MB",
+        "RSS empty MB",
+        "RSS full MB",
+        "RSS growth / payload",
+    ):
+        mem.add_column(col, justify="right")
+    for m in memory:
+        mem.add_row(
+            size_name(m.size),
+            m.transport,
+            str(m.capacity),
+            f"{m.held_bytes / MB:.1f}",
+            f"{m.rss_empty / MB:.1f}",
+            f"{m.rss_full / MB:.1f}",
+            f"{m.overhead:.2f}",
+        )
+    return mem
 
 
 def to_json(results: Results) -> dict:
@@ -657,10 +744,14 @@ def to_json(results: Results) -> dict:
     }
 
 
-def main() -> None:
+DEFAULT_SIZES = "1KB,16KB,256KB,4MB"
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line (checked: unknown transports are an error)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny volumes (seconds): smoke test")
-    ap.add_argument("--sizes", default="1KB,16KB,256KB,4MB", help=f"comma-separated, of {list(SIZE_NAMES)}")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"comma-separated, of {list(SIZE_NAMES)}")
     ap.add_argument("--shards", default="1,4", help="comma-separated shard counts")
     ap.add_argument("--fsync", default="none", choices=["always", "interval", "none"])
     ap.add_argument("--transports", default="zmq,same-host", help=f"comma-separated, of {list(TRANSPORTS)}")
@@ -688,33 +779,36 @@ def main() -> None:
         default=1,
         help="measure every case this many times, interleaved, and keep the median (a loaded machine)",
     )
+    ap.add_argument(
+        "--netns",
+        action="store_true",
+        help="also between two network namespaces (veth + bridge; root): raw ZeroMQ, relay, sluice zmq",
+    )
     ap.add_argument("--out", default="benchmarks/results/buffer_throughput.json")
     args = ap.parse_args()
+    if unknown := set(args.transports.split(",")) - set(TRANSPORTS):
+        ap.error(f"--transports: unknown {sorted(unknown)}, choose from {list(TRANSPORTS)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     console = Console()
     sizes = [SIZE_NAMES[s] for s in args.sizes.split(",")]
     shard_counts = [int(s) for s in args.shards.split(",")]
     transports = args.transports.split(",")
-    if unknown := set(transports) - set(TRANSPORTS):
-        ap.error(f"--transports: unknown {sorted(unknown)}, choose from {list(TRANSPORTS)}")
     opts = {"window": args.put_window, "ack_with_get": not args.separate_ack}
     budget = args.mb_per_case * MB
     lo, hi = 200, 20000
     ray_budget = min(budget, 128 * MB)
     memory_points = [(256 * KB, 1024, t) for t in transports] + [(KB, 65536, "zmq")]
     if args.quick:
-        sizes = [KB, 256 * KB] if args.sizes == ap.get_default("sizes") else sizes
+        sizes = [KB, 256 * KB] if args.sizes == DEFAULT_SIZES else sizes
         budget, ray_budget, lo, hi = 16 * MB, 8 * MB, 50, 2000
         memory_points = [(256 * KB, 64, t) for t in transports]
 
-    results = Results()
-    results.machine = {
-        "cpus": os.cpu_count(),
-        "loadavg_start": os.getloadavg(),
-        "python": platform.python_version(),
-        "zmq": zmq.zmq_version(),
-        "put_window": args.put_window,
-        "ack_with_get": not args.separate_ack,
-    }
+    lab = open_lab(args.netns)
+    results = Results(machine=machine_info(args, lab))
     ray = None if args.no_ray else RayBaseline()
     try:
         for size in sizes:
@@ -739,10 +833,16 @@ def main() -> None:
                         runs.append(
                             bench_sluice(1, size, n, args.fsync, transport=transport, reads=True, **opts)
                         )
+                if lab is not None:
+                    runs += bench_across(lab, size, n, shard_counts, args.fsync, opts)
+                    for c in runs[-len(shard_counts) :]:
+                        progress(console, c)
             results.cases += medians(runs)
     finally:
         if ray is not None:
             ray.close()
+        if lab is not None:
+            lab.close()
     for size, capacity, transport in memory_points:
         results.memory.append(measure_memory(size, capacity, transport))
     results.machine["loadavg_end"] = os.getloadavg()
@@ -751,6 +851,22 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(to_json(results), indent=2))
     console.print(f"wrote {out}")
+
+
+def machine_info(args: argparse.Namespace, lab: Lab | None) -> dict:
+    """What the figures were measured on and with (the JSON's `machine`)."""
+    info = {
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "python": platform.python_version(),
+        "zmq": zmq.zmq_version(),
+        "put_window": args.put_window,
+        "ack_with_get": not args.separate_ack,
+    }
+    if lab is not None:
+        info["netns"] = {h.label: h.addr for h in lab.hosts.values()}
+        info["netns_tag"] = lab.tag  # the namespaces' names start with it
+    return info
 
 
 if __name__ == "__main__":

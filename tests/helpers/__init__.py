@@ -7,5 +7,6 @@ lifetime: factory fixtures that close what they made (`closing_all`). procs: chi
 the `process_reaper` fixture cleans up (`start`, `child_env`). runs: `sluice run` from the
 end-to-end tests. weight_sync_env: a learner's weight-sync side in the test process. engines:
 learner log-probs for engine tests, mid-generation weight updates. bench_scripts: benchmark
-smoke runs. group_step.py and sharded_publisher.py are scripts that tests run as processes.
+smoke runs. netns: hosts at addresses of their own (network namespaces), processes in them.
+group_step.py and sharded_publisher.py are scripts that tests run as processes.
 """

@@ -27,12 +27,14 @@ def start(
     *,
     stdout: int | IO[Any] | None = subprocess.PIPE,
     stderr: int | IO[Any] | None = subprocess.STDOUT,
+    prefix: Sequence[str] = (),
     **extra_env: str,
 ) -> subprocess.Popen:
     """`python ARGS` (say `["-m", "sluice.cli", "buffer", config]`) with `child_env(**extra_env)`,
-    registered with `reaper` (the `process_reaper` fixture)."""
+    registered with `reaper` (the `process_reaper` fixture). `prefix` runs it through another
+    command that execs it (say `ip netns exec NS`, helpers/netns.py): the pid stays the same."""
     proc = subprocess.Popen(
-        [sys.executable, *args],
+        [*prefix, sys.executable, *args],
         cwd=ROOT,
         env=child_env(**extra_env),
         stdout=stdout,
