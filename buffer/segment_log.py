@@ -222,9 +222,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def recycle_keep(cfg: BufferConfig) -> int:
-    """Retired segment files kept for reuse: what the log writes between two compactions."""
-    return cfg.compact_min_bytes // cfg.segment_bytes + 2
+def recycle_keep(cfg: BufferConfig, retired_last: int = 0) -> int:
+    """Retired segment files kept for reuse: what the log writes between two compactions, at
+    least what one compaction retired (a log holding much compacts at twice that). Writing into
+    a reused file's cached pages costs a tenth of the CPU of fresh ones (docs/architecture.md,
+    "Buffer throughput"), and the pool never holds more than the log's largest size did."""
+    return max(cfg.compact_min_bytes // cfg.segment_bytes + 2, retired_last)
 
 
 def _record_bytes(record: Record, seed: int) -> bytes:
@@ -727,10 +730,12 @@ class SegmentLog(ExperienceLog):
         for group, group_locs in zip(groups, locs):  # live groups now lie in the snapshot
             for t, loc in zip(group.trajs, group_locs):
                 self._move(t, loc)
-        for n in [n for n in self.segments if n <= replaces]:
+        retired = [n for n in self.segments if n <= replaces]
+        for n in retired:
             self.segments.remove(n)
             del self.segment_bytes[n]
             self.retiring.append(n)
+        self.pool_max = max(self.pool_max, recycle_keep(self.cfg, len(retired)))
         self.segments = sorted([*self.segments, replaces + 1])
         self.segment_bytes[replaces + 1] = written
         self.counters["compactions"] += 1

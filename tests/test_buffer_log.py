@@ -240,6 +240,33 @@ def test_fsync_policies(tmp_path, policy):
     assert (after_commits, after_tick) == expected
 
 
+def test_a_log_that_held_much_keeps_every_file_its_compaction_retired(shard_factory, tmp_path):
+    """The pool of files for reuse grows to what one compaction retired (not the static
+    minimum), so the next cycle writes into cached pages instead of fresh files."""
+    log_dir = tmp_path / "log"
+    shard = shard_factory(
+        log_dir=log_dir, fsync="none", segment_bytes=1 << 16, compact_min_bytes=1 << 16, compact_ratio=2.0
+    )
+    static = recycle_keep(shard.cfg)
+    with BufferClient([shard.endpoint], timeout_s=10) as client:
+        for i in range(128):  # 512 KB held: no compaction while it is all live
+            client.put(group(f"g{i}", nbytes=4096))
+        while (batch := client.get(64, wait_ms=0)).trajs:
+            client.ack(batch)
+        wait_until_compacted = time.monotonic() + 10
+        while shard.server.log.counters["compactions"] == 0 and time.monotonic() < wait_until_compacted:
+            client.stats()  # each request lets the shard tick
+        shard.server.log.wait_for_compaction()
+        client.stats()
+        retired = len(list(log_dir.glob("*.free")))
+        assert retired > static, (retired, static)
+        assert shard.server.log.pool_max >= retired
+        recycled = client.stats()[0].stats["log_recycled"]
+        for i in range(64):
+            client.put(group(f"h{i}", nbytes=4096))
+        assert client.stats()[0].stats["log_recycled"] > recycled
+
+
 def test_compaction_keeps_the_log_bounded_and_recovery_exact(shard_factory, tmp_path):
     log_dir = tmp_path / "log"
     shard = shard_factory(
@@ -261,7 +288,7 @@ def test_compaction_keeps_the_log_bounded_and_recovery_exact(shard_factory, tmp_
         # on disk: the log, plus the retired files kept for reuse (a reused file keeps its
         # length: a retired snapshot segment is as long as what was live when it was written)
         files = [*segments(log_dir), *log_dir.glob("*.free")]
-        assert len(list(log_dir.glob("*.free"))) <= recycle_keep(shard.cfg)
+        assert len(list(log_dir.glob("*.free"))) <= shard.server.log.pool_max
         slack = len(files) * max(1 << 17, 2 * held_bytes)
         assert sum(p.stat().st_size for p in files) <= stats["log_bytes"] + slack, [
             (p.name, p.stat().st_size) for p in files
