@@ -163,26 +163,39 @@ CARTPOLE = ROOT / "configs" / "cartpole.yaml"
 @pytest.mark.parametrize(
     "config, overrides, learners",
     [
+        (QUICKSTART, [HF_ENGINE, "learner.total_steps=8"], {"learner": 8}),
         (CARTPOLE, ["learner.target_return=null", "learner.total_steps=10"], {"learner": 10}),
         (CARTPOLE, ["learner.target_return=null", "learner.total_steps=10", "learner.policies=[a, b]"],
          {"learner": 10, "learner-b": 10}),
         (QUICKSTART, [HF_ENGINE, "learner.ranks=2", "learner.total_steps=6"], {"learner": 6}),
     ],
-    ids=["cartpole", "two-policies", "learner-group-of-2"],
+    ids=["quickstart", "cartpole", "two-policies", "learner-group-of-2"],
 )  # fmt: skip
-def test_configs_beyond_the_quickstart_run_under_ray_as_planned(tmp_path, config, overrides, learners):
-    """Env rollouts, several policies, a learner group of K ranks: the same role plan as
-    `sluice run` (sluice/launch/plan.py), each role its own Ray actor."""
+def test_every_config_trains_spread_over_a_two_node_cluster(tmp_path, config, overrides, learners):
+    """Env rollouts, several policies, a learner group of K ranks and the quickstart, each on
+    two Ray nodes on this machine (ray.cluster_utils.Cluster: separate raylets, separate
+    resources) with ray.strategy=SPREAD: the same role plan as `sluice run`
+    (sluice/launch/plan.py), each role its own Ray actor, roles on both nodes."""
+    from ray.cluster_utils import Cluster
+
     from sluice.config import load_config
     from sluice.launch.plan import plan_roles
 
-    run_dir = tmp_path / "run"
-    proc = ray_run(run_dir, config, *overrides)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
+    try:
+        cluster.add_node(num_cpus=3)
+        cluster.wait_for_nodes()
+        run_dir = tmp_path / "run"
+        proc = ray_run(run_dir, config, *overrides, f"ray.address={cluster.address}", "ray.strategy=SPREAD")
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    finally:
+        cluster.shutdown()
     for name, steps in learners.items():
         assert len(read_jsonl(run_dir / "metrics" / f"{name}.jsonl")) == steps
-    planned = [s.name for s in plan_roles(load_config(config, overrides))]
-    assert sorted(e["role"] for e in events(run_dir, "placed")) == sorted(planned)
+    placed = {e["role"]: e["node_id"] for e in events(run_dir, "placed")}
+    print(f"placement: {placed}")
+    assert sorted(placed) == sorted(s.name for s in plan_roles(load_config(config, overrides)))
+    assert len(set(placed.values())) == 2, placed  # both nodes hold roles
     assert {e["role"] for e in events(run_dir, "exit") if e["rc"] == 0} >= set(learners)
 
 
@@ -193,25 +206,3 @@ def test_a_cluster_too_small_for_the_plan_is_refused_in_seconds(tmp_path):
     said = " ".join(proc.stderr.split())  # the console wraps long lines
     assert "CPU: 4 needed, 1 in the cluster" in said and "ray.buffer/learner/rollout.num_cpus" in said
     assert time.monotonic() - started < 60
-
-
-def test_roles_spread_over_the_nodes_of_a_multi_node_cluster(tmp_path):
-    """Two Ray nodes on this machine (ray.cluster_utils.Cluster: separate raylets, separate
-    resources); ray.strategy=SPREAD places the roles on both and the run trains."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    try:
-        cluster.add_node(num_cpus=2)
-        cluster.wait_for_nodes()
-        run_dir = tmp_path / "run"
-        proc = ray_run(
-            run_dir, QUICKSTART, HF_ENGINE, f"ray.address={cluster.address}", "ray.strategy=SPREAD",
-            "learner.total_steps=8",
-        )  # fmt: skip
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    finally:
-        cluster.shutdown()
-    placed = {e["role"]: e["node_id"] for e in events(run_dir, "placed")}
-    assert len(set(placed.values())) == 2, placed  # both nodes hold roles
-    assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 8
