@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
@@ -58,3 +59,15 @@ def figure(path: Path, ncols: int = 1, size: tuple[float, float] = (8, 5)) -> It
         fig.savefig(path, dpi=110)
     finally:
         plt.close(fig)
+
+
+def write_config(work: Path, tree: dict) -> tuple[Any, Path]:
+    """The run config `tree` (its run directory made), validated and written to
+    <work>/config.yaml, for the role processes a benchmark starts; (config, its path)."""
+    from sluice.config.loader import config_from_dict, dump_config
+
+    cfg = config_from_dict(tree)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    path = work / "config.yaml"
+    dump_config(cfg, path)
+    return cfg, path

@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 
 import psutil
+from common import write_config
 from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sluice.config.loader import config_from_dict, dump_config  # noqa: E402
 from sluice.metrics import read_jsonl  # noqa: E402
 from sluice.net import free_port  # noqa: E402
 
@@ -160,10 +160,7 @@ class Cluster:
             # admission on; the bound is loose so that the learner side never throttles
             "learner": {"batch_size": 8, "max_staleness": 1000},
         }
-        self.cfg = config_from_dict(tree)
-        (work / "run").mkdir(parents=True, exist_ok=True)
-        self.config_path = work / "config.yaml"
-        dump_config(self.cfg, self.config_path)
+        self.cfg, self.config_path = write_config(work, tree)
         self.timeline = work / "drain.jsonl"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 

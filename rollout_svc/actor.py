@@ -120,11 +120,14 @@ def connect(
     weight_feed: Callable[[RunConfig, str, zmq.Context | None], WeightFeed],
     policies: Mapping[str, RunConfig],
     service_id: str,
+    zmq_ctx: zmq.Context | None = None,
 ) -> ActorConnections:
     """The buffer connection and, per policy (`policies`: the config as that policy's roles see
     it), the control-plane and weight connections (`weight_feed(view, service_id, ctx)`) of one
-    service; PUTs give up when the service stops or every learner group has shut down."""
-    zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
+    service; PUTs give up when the service stops or every learner group has shut down.
+    `zmq_ctx`: a context shared with other services of this process (a pack), else its own."""
+    if zmq_ctx is None:
+        zmq_ctx = secure_context(cfg.security, "client")  # None: plain sockets
     links = {}
     for policy, view in policies.items():
         feed = weight_feed(view, service_id, zmq_ctx)

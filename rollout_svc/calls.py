@@ -44,17 +44,23 @@ class CallResult:
 
 class DaemonThreads:
     """A fixed set of daemon worker threads taking jobs from a queue (ThreadPoolExecutor's
-    threads are joined at interpreter exit: one hung call would hang the process)."""
+    threads are joined at interpreter exit: one hung call would hang the process). They start
+    with the first job: a service whose scoring runs inline (built-in tasks) never starts them,
+    which matters when a thousand services share one process (docs/architecture.md, "Packed
+    sim services")."""
 
     def __init__(self, workers: int, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)
         ]
-        for t in self._threads:
-            t.start()
+        self._started = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        if not self._started:
+            self._started = True
+            for t in self._threads:
+                t.start()
         fut: Future = Future()
         self._jobs.put((fut, fn, args))
         return fut

@@ -305,11 +305,20 @@ def weight_feed(cfg: RunConfig, service_id: str, zmq_ctx: zmq.Context | None) ->
     return VersionFeed() if cfg.rollout.engine == "sim" else receiver_feed(cfg, service_id, zmq_ctx)
 
 
-def build_actor(cfg: RunConfig, index: int, stop: threading.Event) -> ActorLoop:
-    """LLM rollout service `index`: its producer inside the actor loop."""
-    prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("rollout", index))
+def build_actor(
+    cfg: RunConfig,
+    index: int,
+    stop: threading.Event,
+    *,
+    prom: PrometheusEndpoint | None = None,
+    zmq_ctx: zmq.Context | None = None,
+) -> ActorLoop:
+    """LLM rollout service `index`: its producer inside the actor loop. A pack of services in
+    one process (pack.py) passes its shared metrics endpoint and ZeroMQ context."""
+    if prom is None:
+        prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("rollout", index))
     producer = LLMProducer(cfg, index, prom.registry)
-    conn = connect(cfg, stop, prom, weight_feed, {producer.policy_id: cfg}, producer.service_id)
+    conn = connect(cfg, stop, prom, weight_feed, {producer.policy_id: cfg}, producer.service_id, zmq_ctx)
     # With no staleness slack, a sample begun on older weights is always dropped: wait for them.
     wait = cfg.rollout.wait_for_published_weights or cfg.learner.max_staleness == 0
     return ActorLoop(cfg, index, stop, producer, conn, wait_for_published=wait)

@@ -5,6 +5,7 @@ modules, call `run_<role>`.
     sluice ray CONFIG [key=value ...]                 every role on a Ray cluster
     sluice buffer CONFIG [--shard K] [key=value ...]  one buffer shard
     sluice rollout CONFIG [--index I] [key=value ...] one rollout service
+    sluice rollout CONFIG --index I --count N         a pack of N sim services in one process
     sluice learner CONFIG [--policy P] [key=value ...] one rank of a learner group
     sluice status CONFIG|RUN_DIR [--once] [--json]    live table of every role of a run
     sluice config CONFIG [key=value ...]              print the resolved config (checks it)
@@ -150,12 +151,34 @@ def buffer(config: ConfigArg, overrides: OverridesArg = None, shard: IndexOpt = 
     raise _run_planned(_load(config, overrides), "buffer", _index(shard))
 
 
+CountOpt = Annotated[
+    int | None,
+    typer.Option(help="sim services to run in this process, --index .. --index+count-1 (a pack)"),
+]
+
+
 @app.command()
-def rollout(config: ConfigArg, overrides: OverridesArg = None, index: IndexOpt = None) -> None:
-    """Run one rollout service (`rollout.kind` llm: LLM generation; env: gymnasium envs)."""
+def rollout(
+    config: ConfigArg, overrides: OverridesArg = None, index: IndexOpt = None, count: CountOpt = None
+) -> None:
+    """Run one rollout service (`rollout.kind` llm: LLM generation; env: gymnasium envs), or
+    with --count N a pack of N sim services in one process (docs/architecture.md, "Packed sim
+    services"). Without --count: the plan's role at --index (a pack with
+    rollout.sim.services_per_process > 1)."""
     cfg = _load(config, overrides)
     _validate_plugins(cfg)
-    raise _run_planned(cfg, "rollout", _index(index))
+    if count is None:
+        raise _run_planned(cfg, "rollout", _index(index))
+    from sluice.launch.plan import pack_spec, run_role_spec
+    from sluice.launch.role import exit_process
+    from sluice.rollout_svc.pack import check_packable
+
+    try:
+        check_packable(cfg, count)
+    except ConfigError as e:
+        raise _fail(str(e)) from None
+    spec = pack_spec(cfg, _index(index), count)
+    exit_process(run_role(spec.name, lambda stop: run_role_spec(cfg, spec, stop)))
 
 
 @app.command()

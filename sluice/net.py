@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import socket
 from contextlib import closing
 
@@ -38,3 +39,15 @@ def zmq_socket(ctx: zmq.Context, kind: int, *, linger_ms: int = 0, hwm: int = 10
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     return sock
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit on open files (RLIMIT_NOFILE) to its hard limit, and
+    return it. A server with a thousand clients holds a descriptor per connection, and a
+    process that packs many services holds several sockets per service (docs/architecture.md,
+    "Packed sim services"); many systems start processes with a soft limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    return soft

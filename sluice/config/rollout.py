@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sluice.config.base import Section
 from sluice.plugins import PluginRef
@@ -45,6 +45,11 @@ class SimEngineConfig(Section):
     """Extra time of one decode step per sequence in the batch (the part batching does not)."""
     eos_prob: float = Field(default=0.1, ge=0, le=1)
     """Chance that a sampled token is end-of-sequence."""
+    services_per_process: int = Field(default=1, ge=1)
+    """Sim services run in one process (a pack, rollout_svc/pack.py): every launcher then
+    starts ceil(rollout.services / this) rollout processes, `sluice rollout --index I --count
+    N` each, and every packed service is still a member of its own (id, heartbeats, admission,
+    PUTs). 1: one process per service. docs/architecture.md, "Packed sim services"."""
 
 
 class RolloutConfig(Section):
@@ -115,3 +120,12 @@ class RolloutConfig(Section):
     learner the rest); a role started on its own takes OMP_NUM_THREADS, else its CPU affinity."""
     seed: int = 0
     """Base sampling seed; service i uses seed + 1000 * i."""
+
+    @model_validator(mode="after")
+    def _packs_are_sim(self) -> RolloutConfig:
+        if self.sim.services_per_process > 1 and (self.engine != "sim" or self.kind != "llm"):
+            raise ValueError(
+                "rollout.sim.services_per_process > 1 packs sim LLM services only "
+                f"(rollout.engine={self.engine!r}, rollout.kind={self.kind})"
+            )
+        return self

@@ -151,6 +151,8 @@ class WeightSyncStatus(msgspec.Struct):
 class StatusReply(_Reply, tag="STATUS"):
     learner: dict[str, float] = {}
     services: dict[str, ServiceStatus] = {}
+    # admission counters (started, quota, refused_asks, released_gone), membership
+    # (services_gone) and the server's load (requests received, serve_s: seconds serving them)
     admission: dict[str, float] = {}
     weight_sync: WeightSyncStatus | None = None  # None when the learner serves no membership
 

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 _R = TypeVar("_R", AdmitReply, RefundReply)
 
 MEMBERSHIP_REQUESTS = (JoinRequest, LeaveRequest, SyncReportRequest)
+GONE_CHECK_S = 0.25  # how often the server looks for services silent past service_timeout_s
 
 
 class MembershipRegistry(Protocol):
@@ -98,6 +99,9 @@ class ControlServer:
         # that seq (its answer was late) gets the same reply again instead of a second grant
         self._answered: dict[str, tuple[int, AdmitReply | RefundReply]] = {}
         self.services_gone = 0
+        self._next_gone_check = 0.0
+        self.requests = 0  # requests received (STATUS: the control plane's load)
+        self.serve_s = 0.0  # seconds the server thread spent on them (its busy share)
         self._lock = threading.Lock()
         self._version = 0
         self._published = 0
@@ -188,7 +192,10 @@ class ControlServer:
                 if self._wake_r in ready:
                     _drain(self._wake_r)
                 if self.sock in ready:
+                    t0 = time.perf_counter()
                     self._serve_one()
+                    self.requests += 1
+                    self.serve_s += time.perf_counter() - t0
                 self._serve_parked()
                 self._forget_gone_services()
             self._serve_parked()  # stopping: every waiter gets its answer (0 if no room)
@@ -243,7 +250,12 @@ class ControlServer:
             return self._dispatch(request)
 
     def _forget_gone_services(self) -> None:
+        """At most every GONE_CHECK_S: the scan is over every service, and running it after each
+        request made the server's work grow with the square of the services."""
         now = time.monotonic()
+        if now < self._next_gone_check:
+            return
+        self._next_gone_check = now + min(GONE_CHECK_S, self.service_timeout_s / 10)
         with self._lock:
             gone = [sid for sid, t in self._last_seen.items() if now - t > self.service_timeout_s]
             for sid in gone:
@@ -296,6 +308,8 @@ class ControlServer:
                     "refused_asks": float(adm.refused_asks),
                     "released_gone": float(adm.released_gone),
                     "services_gone": float(self.services_gone),
+                    "requests": float(self.requests),  # control-server load, not admission proper
+                    "serve_s": self.serve_s,
                 },
                 weight_sync=None if self._membership is None else self._membership.status(),
             )

@@ -8,7 +8,7 @@ same everywhere (docs/architecture.md, "Role plan").
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from sluice.config.learner import GroupPorts
@@ -32,6 +32,7 @@ class RoleSpec:
     exits_with_run: bool = False  # ends by itself, with 0, when the learner is done
     max_restarts: int = 0  # times a launcher starts it again when it dies (rollouts, durable shards)
     served: tuple[str, ...] = ()  # every policy a rollout service talks to (several: multi-agent)
+    count: int = 1  # rollout services in this process: index .. index+count-1 (a pack of sim services)
 
     def belongs_to(self, policy: str) -> bool:
         """Whether the role goes down with `policy`'s learner group when that group restarts:
@@ -44,7 +45,8 @@ class RoleSpec:
         if self.kind == "buffer":
             return ["buffer", "--shard", str(self.index)]
         if self.kind == "rollout":
-            return ["rollout", "--index", str(self.index)]
+            pack = ["--count", str(self.count)] if self.count > 1 else []
+            return ["rollout", "--index", str(self.index), *pack]
         return ["learner", "--policy", self.policy]
 
     @property
@@ -63,6 +65,10 @@ def plan_roles(cfg: RunConfig) -> list[RoleSpec]:
     ]
     for policy in cfg.learner.policies:
         roles += learner_group(cfg, policy)
+    per = cfg.rollout.sim.services_per_process
+    if per > 1:
+        n = cfg.rollout.services
+        return roles + [pack_spec(cfg, i, min(per, n - i)) for i in range(0, n, per)]
     return roles + [rollout_spec(cfg, i) for i in range(cfg.rollout.services)]
 
 
@@ -80,6 +86,14 @@ def rollout_spec(cfg: RunConfig, index: int) -> RoleSpec:
         max_restarts=cfg.rollout.max_restarts,
         served=served,
     )
+
+
+def pack_spec(cfg: RunConfig, first: int, count: int) -> RoleSpec:
+    """Sim services first .. first+count-1 in one process (rollout_svc/pack.py); restarted as
+    a whole, each of its services as a new incarnation."""
+    one = rollout_spec(cfg, first)
+    name = f"rollout-{first}-{first + count - 1}" if count > 1 else one.name
+    return replace(one, name=name, count=count)
 
 
 def learner_group(cfg: RunConfig, policy: str) -> list[RoleSpec]:
@@ -123,6 +137,10 @@ def run_role_spec(cfg: RunConfig, spec: RoleSpec, stop: threading.Event) -> int:
         from sluice.rollout_svc.env_service import run_env_rollout
 
         return run_env_rollout(cfg, spec.index, stop)
+    if spec.count > 1:
+        from sluice.rollout_svc.pack import run_pack
+
+        return run_pack(cfg, spec.index, spec.count, stop)
     if cfg.task.agents:
         from sluice.rollout_svc.agents import run_multi_agent_rollout
 

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import NoReturn
 
+from sluice.net import raise_fd_limit
 from sluice.plugins import UserCodeError
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -115,6 +116,7 @@ def run_role(role: str, main: Callable[[threading.Event], int]) -> int:
     install_stop_handlers(stop)
     if os.environ.get("SLUICE_DIE_WITH_PARENT") == "1":
         die_with_parent()
+    raise_fd_limit()  # a shard or control server with a thousand clients needs more than 1024
     try:
         return main(stop)
     except UserCodeError:

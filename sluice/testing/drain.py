@@ -20,6 +20,7 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer
 from sluice.metrics import JsonlLog
+from sluice.net import raise_fd_limit
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ class Drain:
             s.dropped_stale += batch.dropped_stale
         self.buffer.ack(batch)
         self.control.release(batch.dropped_stale)
+        # as the learner does: what reached it per incarnation, credited to a service that dies
+        self.control.seen(Counter(t.group_id.split("/", 1)[0] for t in batch.trajs))
         if self.step_s:
             time.sleep(self.step_s)
         with self._lock:
@@ -133,6 +137,7 @@ def main() -> int:
     parser.add_argument("--no-filter", action="store_true", help="consume with min_version 0")
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s drain %(levelname)s %(message)s")
+    raise_fd_limit()  # a control server with a thousand clients
     cfg = load_config(args.config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
