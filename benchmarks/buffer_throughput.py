@@ -18,8 +18,9 @@ For each trajectory size, in the same run:
   arrays it gets (neither does the raw ZeroMQ receiver); `--extra-256kb` adds runs where it
   reads every byte (xxh3), the price a learner pays when it collates.
 Throughput is trajectories (and payload MB) per second, measured after a warm-up (as for the
-baselines): for Sluice, enough data for each shard's log to compact once and start reusing
-its segment files (the steady state of a long run; `SHARD_LOG` below).
+baselines): for Sluice, enough data for each shard's log to go round twice (the first
+compaction sizes the pool of retired files kept for reuse, the second round writes into
+them: the steady state of a long run; `SHARD_LOG`, `SHARD_QUEUE_BYTES` below).
 CPU s/GB is the CPU time (user + system) of every process of the case (sender/producer,
 relay/shards, receiver/consumer) per GB moved: unlike throughput it hardly depends on what
 else loads the machine. Then one shard is filled to capacity to measure its memory (RSS).
@@ -70,6 +71,9 @@ KB = 1024
 MB = 1024 * 1024
 SIZE_NAMES = {"1KB": KB, "16KB": 16 * KB, "256KB": 256 * KB, "4MB": 4 * MB}
 SHARD_LOG = {"compact_min_bytes": 128 * MB, "segment_bytes": 32 * MB}  # log settings of the shards
+# What a shard may hold (buffer.capacity_bytes): a few learner batches, as in a run. The producer
+# keeps it full, so the log compacts at twice this (compact_ratio 2) and copies it.
+SHARD_QUEUE_BYTES = 256 * MB
 
 
 TRANSPORTS = {"zmq": "zmq", "same-host": "auto"}  # name in the table -> buffer.same_host_transport
@@ -334,9 +338,9 @@ def _shard_main(
 
 
 def warmup_count(size: int, shards: int, n: int) -> int:
-    """Trajectories pushed through before timing: a compaction cycle per shard (bounded)."""
-    cycle = SHARD_LOG["compact_min_bytes"] + 2 * SHARD_LOG["segment_bytes"]
-    return int(min(20000, max(n // 20, cycle * shards // size)))
+    """Trajectories pushed through before timing: two rounds of each shard's log (bounded)."""
+    cycle = max(SHARD_LOG["compact_min_bytes"], 2 * SHARD_QUEUE_BYTES) + 2 * SHARD_LOG["segment_bytes"]
+    return int(min(20000, max(n // 20, 2 * cycle * shards // size)))
 
 
 def _producer_main(
@@ -453,7 +457,7 @@ def bench_sluice(
         fsync,
         durable,
         capacity=capacity,
-        capacity_bytes=max(1 << 30, 8 * batch * size),
+        capacity_bytes=max(SHARD_QUEUE_BYTES, 8 * batch * size),
         transport=transport,
         across=across,
     )
