@@ -225,8 +225,8 @@ def _fsync_dir(path: Path) -> None:
 def recycle_keep(cfg: BufferConfig, retired_last: int = 0) -> int:
     """Retired segment files kept for reuse: what the log writes between two compactions, at
     least what one compaction retired (a log holding much compacts at twice that). Writing into
-    a reused file's cached pages costs a tenth of the CPU of fresh ones (docs/architecture.md,
-    "Buffer throughput"), and the pool never holds more than the log's largest size did."""
+    a reused file's cached pages costs a tenth of the CPU of fresh ones (docs/scaling.md, "A
+    buffer shard"), and the pool never holds more than the log's largest size did."""
     return max(cfg.compact_min_bytes // cfg.segment_bytes + 2, retired_last)
 
 
