@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +26,7 @@ from sluice.buffer.holder import Holder
 from sluice.config.policy import checkpoint_root, policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
-from sluice.control.server import ControlServer
+from sluice.control.server import ControlServer, samples_by_service
 from sluice.launch.threads import role_threads
 from sluice.learner.balance import assign_to_ranks
 from sluice.learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
@@ -304,7 +304,7 @@ class Learner:
         # bound for the rest of the run: 64 stale drops per step after a resume, measured).
         if not step.trained:
             self.control.release(step.violations + step.lost_lineage)
-        self.control.seen(Counter(t.group_id.split("/", 1)[0] for t in fetched.leased.trajs))
+        self.control.seen(samples_by_service(fetched.leased.trajs))
         self.ledger.add(fetched.leased, step.skipped, fetched.leased_at)
         if self.audit is not None:
             used = {t.traj_id for t in step.trained} | set(step.skipped)

@@ -25,8 +25,9 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from typing import Literal, Protocol, TypeVar, overload
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, overload
 
 import msgspec
 import zmq
@@ -56,11 +57,20 @@ from sluice.rpc import answer, split_envelope
 from sluice.wire import codec
 from sluice.wire.messages import PROTO_VERSION
 
+if TYPE_CHECKING:
+    from sluice.trajectory import Trajectory
+
 log = logging.getLogger(__name__)
 _R = TypeVar("_R", AdmitReply, RefundReply)
 
 MEMBERSHIP_REQUESTS = (JoinRequest, LeaveRequest, SyncReportRequest)
 GONE_CHECK_S = 0.25  # how often the server looks for services silent past service_timeout_s
+
+
+def samples_by_service(trajs: Iterable[Trajectory]) -> Counter[str]:
+    """How many of `trajs` each service produced (its incarnation id starts every group id):
+    what a consumer reports to `ControlServer.seen`."""
+    return Counter(t.group_id.split("/", 1)[0] for t in trajs)
 
 
 class MembershipRegistry(Protocol):

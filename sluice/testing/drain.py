@@ -20,7 +20,6 @@ import logging
 import signal
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from sluice.buffer.client import BufferClient, LeasedBatch
 from sluice.config.loader import load_config
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
-from sluice.control.server import ControlServer
+from sluice.control.server import ControlServer, samples_by_service
 from sluice.metrics import JsonlLog
 from sluice.net import raise_fd_limit
 
@@ -88,20 +87,21 @@ class Drain:
 
     def step(self, batch: LeasedBatch) -> None:
         v = self.stats.version
+        by_service = samples_by_service(batch.trajs)
         with self._lock:
             s = self.stats
             for t in batch.trajs:
                 age = v - t.version
                 s.staleness_hist[age] = s.staleness_hist.get(age, 0) + 1
                 s.staleness_max = max(s.staleness_max, age)
-                service = t.group_id.split("/", 1)[0]
-                s.per_service[service] = s.per_service.get(service, 0) + 1
+            for service, n in by_service.items():
+                s.per_service[service] = s.per_service.get(service, 0) + n
             s.consumed += len(batch.trajs)
             s.dropped_stale += batch.dropped_stale
         self.buffer.ack(batch)
         self.control.release(batch.dropped_stale)
         # as the learner does: what reached it per incarnation, credited to a service that dies
-        self.control.seen(Counter(t.group_id.split("/", 1)[0] for t in batch.trajs))
+        self.control.seen(by_service)
         if self.step_s:
             time.sleep(self.step_s)
         with self._lock:
