@@ -27,7 +27,7 @@ from sluice.config.policy import checkpoint_root, policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer, samples_by_service
-from sluice.launch.threads import role_threads
+from sluice.launch.threads import ComputePinning, role_threads
 from sluice.learner.balance import assign_to_ranks
 from sluice.learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
 from sluice.learner.dist import DistContext, init_dist, pick_device
@@ -74,7 +74,8 @@ class Learner:
         self.suffix = role_suffix(cfg, policy_id)
         self.stop = stop
         lc = cfg.learner
-        torch.set_num_threads(role_threads(lc.torch_threads))
+        torch.set_num_threads(1)  # until `run` pins the training thread and starts the pool
+        self.pinning = ComputePinning()
         torch.manual_seed(cfg.run.seed)
         # Before joining the group: with torch.distributed up, transformers' save_pretrained
         # writes nothing on ranks other than 0, so a rank building the directory would not.
@@ -182,7 +183,9 @@ class Learner:
         lc, ws = self.cfg.learner, self.cfg.weight_sync
         self.start()
         self.publish_weights()
+        self.pinning.pin(role_threads(lc.torch_threads))  # the helpers have started by now
         while self.version < lc.total_steps:
+            self.pinning.sweep()
             t0 = time.perf_counter()
             step = self.receive_batch()
             if step is None:

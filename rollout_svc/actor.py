@@ -27,6 +27,7 @@ from prometheus_client import Counter, Gauge
 from sluice.buffer.client import BufferClient, PutAborted
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
+from sluice.launch.threads import apply_cpus_env
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.rollout_svc.engines.base import WeightUpdate
 from sluice.rollout_svc.weights import WeightFeed
@@ -402,7 +403,10 @@ class ActorLoop:
 
 
 def run_actor(loop: ActorLoop) -> int:
-    """Run a service to its end and close it, also when it fails."""
+    """Run a service to its end and close it, also when it fails. Pinned (`sluice run` on a CPU
+    host) only from here: building it (imports, the model) uses every core, as the learner's
+    start-up does."""
+    apply_cpus_env()
     try:
         return loop.run()
     finally:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +45,57 @@ def test_a_role_started_alone_takes_omp_num_threads(monkeypatch):
 def test_bad_thread_counts_are_config_errors(bad):
     with pytest.raises(Exception, match="torch_threads"):
         load_config(QUICKSTART, [f"learner.torch_threads={bad}"])
+
+
+def cores_plan(cores: int, *overrides: str) -> dict[str, dict[str, str]]:
+    from sluice.launch.plan import plan_roles
+    from sluice.launch.threads import plan_cores
+
+    cfg = plan_threads(load_config(QUICKSTART, ["learner.device=cpu", *overrides]), cores)
+    return plan_cores(cfg, plan_roles(cfg), list(range(cores)))
+
+
+def test_the_learner_trains_on_cores_of_its_own_and_the_rest_share_the_others():
+    plan = cores_plan(2, "rollout.engine=hf")
+    assert plan["learner"] == {"SLUICE_CPUS": "1", "SLUICE_COMPUTE_CPUS": "0"}
+    assert {plan[r]["SLUICE_CPUS"] for r in ("buffer-0", "rollout-0", "rollout-1")} == {"1"}
+    assert "SLUICE_COMPUTE_CPUS" not in plan["rollout-0"]
+    plan = cores_plan(8, "rollout.engine=hf")  # 6 learner threads, 2 cores for the rest
+    assert plan["learner"] == {"SLUICE_CPUS": "6,7", "SLUICE_COMPUTE_CPUS": "0,1,2,3,4,5"}
+
+
+def test_nothing_is_pinned_where_the_learner_would_take_every_core_or_pinning_is_off():
+    assert cores_plan(2, "rollout.engine=hf", "run.pin_cores=false") == {}
+    assert cores_plan(4, "rollout.engine=sim") == {}  # sleeping rollouts: the learner takes all 4
+    assert cores_plan(2, "rollout.engine=hf", "learner.ranks=2") == {}
+
+
+PINNING_CHILD = """
+import os, threading, time
+from sluice.launch.threads import ComputePinning, apply_cpus_env
+apply_cpus_env()
+stop = threading.Event()
+tids = {}
+def helper(name):
+    tids[name] = threading.get_native_id()
+    stop.wait()
+before = threading.Thread(target=helper, args=("before",)); before.start()
+pinning = ComputePinning()
+pinning.pin(1)
+after = threading.Thread(target=helper, args=("after",)); after.start()  # inherits the compute core
+while len(tids) < 2:
+    time.sleep(0.01)
+inherited = sorted(os.sched_getaffinity(tids["after"]))
+pinning.sweep()
+print(sorted(os.sched_getaffinity(0)), sorted(os.sched_getaffinity(tids["before"])), inherited,
+      sorted(os.sched_getaffinity(tids["after"])))
+stop.set()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_training_thread_is_pinned_and_its_helpers_are_swept_to_the_shared_cores():
+    env = {**os.environ, "SLUICE_CPUS": "1", "SLUICE_COMPUTE_CPUS": "0"}
+    out = subprocess.run([sys.executable, "-c", PINNING_CHILD], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "[0] [1] [0] [1]"

@@ -97,6 +97,47 @@ def test_background_confirmation_reports_every_version_and_survives_a_killed_rec
     assert (2 in confirmed) == second.retried  # confirmed only where it was resent and verified
 
 
+def test_background_send_delivers_the_packed_version_while_the_model_moves_on(env_factory, tmp_path):
+    """`send: background`: publish returns once the version is packed (pending stats); the
+    members get exactly the weights of that moment although the model changes right after, and
+    `on_confirmed` follows. A receiver killed meanwhile is retried around in the thread: the
+    next versions reach the survivors and are confirmed."""
+    cfg = small_cfg(confirm="background", send="background", publish_timeout_s=20, ready_timeout_s=3,
+                    liveness_timeout_s=2)  # fmt: skip
+    env = env_factory(cfg)
+    model = big_model()
+    probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
+    env.wait_members(3)
+    confirmed: list[int] = []
+    digests = {}
+    for version in (1, 2):
+        digests[version] = model_digest(model)
+        stats = env.broadcaster.publish(version, model, confirmed.append)
+        assert stats.pending and stats.version == version
+        perturb(model)  # at once: the thread is still sending what was packed
+    for p in probes:
+        assert p.wait_version(2)["digest"] == digests[2]
+    wait_until(lambda: confirmed == [1, 2], 20, lambda: f"v1, v2 confirmed (confirmed: {confirmed})")
+    victim = next(p for p in probes if p.service_id == env.broadcaster._members[-1])
+    victim.kill(signal.SIGKILL)
+    for version in (3, 4):
+        digests[version] = model_digest(model)
+        env.broadcaster.publish(version, model, confirmed.append)
+        perturb(model)
+    survivors = [p for p in probes if p is not victim]
+    for p in survivors:
+        assert p.wait_version(4)["digest"] == digests[4]
+    wait_until(lambda: 4 in confirmed, 20, lambda: f"v4 confirmed (confirmed: {confirmed})")
+    assert env.broadcaster.publish(5, model).pending
+    env.broadcaster._finish_confirm()  # the thread's publish of v5 is over: its stats are final
+    assert env.broadcaster.group is not None and env.broadcaster.group.world_size - 1 == 2
+
+
+def test_background_send_needs_background_confirmation():
+    with pytest.raises(ValueError, match="weight_sync.send=background needs weight_sync.confirm"):
+        small_cfg(confirm="wait", send="background")
+
+
 def test_receiver_killed_mid_sync_does_not_hang_the_learner(env_factory, tmp_path):
     cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=3, liveness_timeout_s=2)
     env = env_factory(cfg, broadcaster_cls=SlowGatherBroadcaster)

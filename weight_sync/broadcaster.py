@@ -216,7 +216,8 @@ class WeightBroadcaster:
         """Deliver `version` of the weights to every member (rank 0) or take part in gathering
         them (other learner ranks). Never raises for a receiver's failure. `on_confirmed(v)`
         is called once every member verified `v`: before returning (`confirm: wait`), or from
-        the confirmation thread (`background`: this returns when the sends are done)."""
+        the confirmation thread (`background`: this returns when the sends are done; with
+        `send: background` as soon as `v` is packed, and the stats say `pending`)."""
         t0 = time.perf_counter()
         source = self._source_for(model)
         layout = self._plan(source)
@@ -228,10 +229,10 @@ class WeightBroadcaster:
         self._handle_reports()
         if self.membership.needs_epoch() or self._broken:
             self._form_epoch()
+        if self.cfg.send == "background" and self.group is not None:
+            return self._publish_later(version, layout, source, on_confirmed, t0)
         later = self.cfg.confirm == "background" and self.group is not None
         snapshot, sent = self._deliver(version, layout, source, confirm=not later)
-        if sent.delivered and sent.delta_tensors < 0:
-            self._force_full = False
         if sent.delivered and later and not sent.retried:
             group = self.group
             if group is None:  # `later` saw one, and a delivered publish keeps it
@@ -239,10 +240,52 @@ class WeightBroadcaster:
             self._confirming = self._confirm_pool.submit(self._confirm, group, version, on_confirmed)
         elif on_confirmed is not None:  # undelivered too: members pull the snapshot from here
             on_confirmed(version)
+        return self._settle(snapshot, sent, t0)
+
+    def _publish_later(
+        self,
+        version: int,
+        layout: list[Bucket],
+        source: ParamSource,
+        on_confirmed: Callable[[int], None] | None,
+        t0: float,
+    ) -> PublishStats:
+        """`send: background`: pack `version` into its host snapshot here (the model may change
+        once this returns); the confirmation thread sends it, awaits the members' reports and
+        keeps it. The next publish (or close) waits for that first, so the two never share the
+        broadcaster's state."""
+        snapshot = self._build_snapshot(version, layout, source, send=False)[0]
+        members = self.group.world_size - 1 if self.group is not None else 0
+        self._confirming = self._confirm_pool.submit(self._send_later, snapshot, on_confirmed, t0)
+        elapsed = time.perf_counter() - t0
+        return PublishStats(version, 0, elapsed, members, self.membership.epoch, pending=True)
+
+    def _send_later(
+        self, snapshot: Snapshot, on_confirmed: Callable[[int], None] | None, t0: float
+    ) -> CollectiveError | None:
+        """The confirmation thread's half of `_publish_later`: a delivery failure was already
+        retried over a new epoch here, so there is nothing left for the next publish to mend."""
+        members = self.group.world_size - 1 if self.group is not None else 0
+        if self.cfg.delta:
+            error, nbytes, delta_tensors = self._send_delta(snapshot, confirm=True)
+        else:
+            error, nbytes, delta_tensors = self._send_full(snapshot), snapshot.nbytes, -1
+        sent = _Sent(members, nbytes, delta_tensors, retried=False, delivered=True)
+        sent = self._resend_on_failure(snapshot, error, sent)
+        if on_confirmed is not None:  # undelivered too: members pull the snapshot from here
+            on_confirmed(snapshot.version)
+        self._settle(snapshot, sent, t0)
+        return None
+
+    def _settle(self, snapshot: Snapshot, sent: _Sent, t0: float) -> PublishStats:
+        """After a version's delivery: keep its snapshot (late joiners pull it, the next delta
+        starts from it), count it published and record its stats."""
+        if sent.delivered and sent.delta_tensors < 0:
+            self._force_full = False
         self._keep_snapshot(snapshot)
-        self.membership.set_published(version)
+        self.membership.set_published(snapshot.version)
         stats = PublishStats(
-            version=version,
+            version=snapshot.version,
             bytes=sent.bytes if (self.group is not None and sent.delivered) else 0,
             seconds=time.perf_counter() - t0,
             members=sent.members if sent.delivered else 0,
@@ -268,15 +311,20 @@ class WeightBroadcaster:
         else:
             snapshot, error = self._build_snapshot(version, layout, source, send=True, confirm=confirm)
             nbytes, delta_tensors = snapshot.nbytes, -1
+        sent = _Sent(members, nbytes, delta_tensors, retried=False, delivered=True)
+        return snapshot, self._resend_on_failure(snapshot, error, sent)
+
+    def _resend_on_failure(self, snapshot: Snapshot, error: CollectiveError | None, sent: _Sent) -> _Sent:
+        """`sent` when the first send worked; else the snapshot in full over a new epoch, once."""
         if error is None:
-            return snapshot, _Sent(members, nbytes, delta_tensors, retried=False, delivered=True)
+            return sent
         self._abandon_epoch(error)
         self._form_epoch()
         members = self.group.world_size - 1 if self.group else 0
         error = self._send_full(snapshot)
         if error is not None:
             self._abandon_epoch(error)
-        return snapshot, _Sent(members, snapshot.nbytes, -1, retried=True, delivered=error is None)
+        return _Sent(members, snapshot.nbytes, -1, retried=True, delivered=error is None)
 
     def _keep_snapshot(self, snapshot: Snapshot) -> None:
         """`snapshot` is what late joiners pull and the next delta's base from now on."""

@@ -22,6 +22,9 @@ class PublishStats:
     # (packing and sending overlap in there), then to every member's verified report
     send_seconds: float = 0.0
     confirm_seconds: float = 0.0
+    # `send: background`: returned once packed; the sends, the confirmation and the stats of
+    # what was delivered follow in the confirmation thread (BroadcastMetrics records them)
+    pending: bool = False
 
     def as_record(self) -> dict[str, float]:
         return {

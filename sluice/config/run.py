@@ -29,6 +29,12 @@ class RunSection(Section):
     """Run directory (logs, metrics, checkpoints, plots). Set by the local launcher if None."""
     seed: int = 0
     """Seed of the learner and of the task's prompt stream."""
+    pin_cores: bool = True
+    """`sluice run` on a CPU host: true gives each CPU learner rank cores of its own (as many
+    as its torch threads) and every other role the cores left, so generation never preempts the
+    step; nothing is pinned when the learner's threads would take every core
+    (docs/architecture.md, "Cores and threads"). Other launchers leave placement to their
+    scheduler."""
 
 
 class MetricsConfig(Section):

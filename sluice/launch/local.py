@@ -35,7 +35,14 @@ from sluice.config.run import RunConfig
 from sluice.launch.plan import RoleSpec, learner_restartable, plan_roles, what_next
 from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
-from sluice.launch.threads import available_cores, plan_threads
+from sluice.launch.threads import (
+    available_cores,
+    core_ids,
+    pin_process,
+    plan_cores,
+    plan_threads,
+    shared_cores,
+)
 from sluice.metrics import JsonlLog
 from sluice.net import free_port
 
@@ -136,6 +143,7 @@ class LocalLauncher:
         self.children: list[Child] = []
         self.learner_restarts: dict[str, int] = {}  # policy -> times its group was restarted
         self.stop = threading.Event()
+        self.pinning = plan_cores(self.cfg, plan_roles(self.cfg), core_ids())  # role name -> env
 
     def prepare(self) -> Path:
         """The run directory and its resolved config. The model directory is not built here:
@@ -154,6 +162,7 @@ class LocalLauncher:
         env = {k: v for k, v in os.environ.items() if not k.upper().startswith(ENV_PREFIX)}
         env.update(SLUICE_DIE_WITH_PARENT="1", PYTHONUNBUFFERED="1", **spec.env)
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.pinning.get(spec.name, {}))
         with log_path.open("ab") as log_fh:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "sluice.cli", *spec.args, str(config_path), *(overrides or [])],
@@ -309,6 +318,9 @@ class LocalLauncher:
 
     def run(self) -> int:
         self.start()
+        shared = shared_cores(self.pinning)
+        if shared is not None:  # supervising leaves the training cores too; after the spawns,
+            pin_process(shared)  # which inherit this affinity: start-up uses every core
         try:
             code = self.supervise()
         finally:

@@ -125,6 +125,7 @@ def main() -> None:
         timeout_s=60,
         publish_timeout_s=60,
         ready_timeout_s=10,
+        send="inline",  # the stats of each publish are checked right after it
     )
     broadcaster = WeightBroadcaster(cfg, torch.device("cpu"), learner_rank=args.rank)
     control = None

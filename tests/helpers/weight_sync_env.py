@@ -138,12 +138,12 @@ class SyncEnv:
 
 
 def small_cfg(**overrides) -> WeightSyncConfig:
-    """Small buckets and short timeouts. `confirm: wait` (publish returns once every member
-    verified) unless a test asks for `background`: most tests check what members hold right
-    after a publish."""
+    """Small buckets and short timeouts. `confirm: wait` and `send: inline` (publish returns
+    once every member verified) unless a test asks for `background`: most tests check what
+    members hold right after a publish."""
     base = dict(
         master_port=free_port(), timeout_s=30, publish_timeout_s=10, ready_timeout_s=5, bucket_mb=0.05,
-        confirm="wait",
+        confirm="wait", send="inline",
     )  # fmt: skip
     return WeightSyncConfig(**{**base, **overrides})
 
