@@ -46,17 +46,36 @@ def test_summary_stops_at_the_threshold(bench):
     assert not none["reached"] and none["steps"] == 8 and none["crossings"]["0.9"] is None
 
 
-def test_ratios_over_seeds(bench):
-    def run(system, seed, step, t):
-        return {"system": system, "task": "copy", "seed": seed,
-                "crossings": {"0.9": {"step": step, "time_s": t}}}  # fmt: skip
+def bench_run(system, seed, step, t, ran=None):
+    """A run record: reached 0.9 at (step, t), or stopped short at `ran` = (steps, seconds)."""
+    crossing = {"step": step, "time_s": t} if step is not None else None
+    last_step, last_t = ran or (step, t)
+    return {"system": system, "task": "copy", "seed": seed, "crossings": {"0.9": crossing},
+            "curve": [{"step": last_step, "time_s": last_t}]}  # fmt: skip
 
-    runs = [run("trl", 0, 100, 50.0), run("sluice", 0, 120, 40.0),
-            run("trl", 1, 100, 50.0), run("sluice", 1, 100, 60.0)]  # fmt: skip
+
+def test_ratios_over_seeds(bench):
+    runs = [bench_run("trl", 0, 100, 50.0), bench_run("sluice", 0, 120, 40.0),
+            bench_run("trl", 1, 100, 50.0), bench_run("sluice", 1, 100, 60.0)]  # fmt: skip
     s = bench.summarize(runs, ["copy"], [0, 1])["copy"]
     assert [r["time_ratio"] for r in s["per_seed"]] == pytest.approx([0.8, 1.2])
     assert [r["steps_ratio"] for r in s["per_seed"]] == pytest.approx([1.2, 1.0])
     assert s["median_time_ratio"] == pytest.approx(1.0)
+    assert s["sluice_faster_every_seed"] is False
+
+
+def test_a_seed_only_one_system_finished_counts_with_a_bound_against_sluice(bench):
+    runs = [bench_run("trl", 0, None, None, ran=(1500, 100.0)), bench_run("sluice", 0, 300, 20.0),
+            bench_run("trl", 1, 200, 10.0), bench_run("sluice", 1, None, None, ran=(1000, 40.0)),
+            bench_run("trl", 2, None, None, ran=(1500, 90.0)),
+            bench_run("sluice", 2, None, None, ran=(1500, 70.0))]  # fmt: skip
+    s = bench.summarize(runs, ["copy"], [0, 1, 2])["copy"]
+    only_sluice, only_trl, neither = s["per_seed"]
+    assert only_sluice["censored"] == "at most" and only_sluice["time_ratio"] == pytest.approx(0.2)
+    assert only_sluice["steps_ratio"] == pytest.approx(0.2)
+    assert only_trl["censored"] == "at least" and only_trl["time_ratio"] == pytest.approx(4.0)
+    assert "time_ratio" not in neither  # no verdict where neither reached it
+    assert s["median_time_ratio"] == pytest.approx(2.1)
     assert s["sluice_faster_every_seed"] is False
 
 
