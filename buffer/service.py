@@ -7,7 +7,7 @@ import threading
 from sluice.buffer.metrics import ShardMetrics
 from sluice.buffer.server import ShardServer
 from sluice.config.run import RunConfig
-from sluice.launch.threads import apply_cpus_env
+from sluice.launch.threads import apply_placement
 from sluice.metrics import PrometheusEndpoint, record_endpoint
 from sluice.security import secure_context
 
@@ -15,7 +15,7 @@ from sluice.security import secure_context
 def run_buffer(cfg: RunConfig, shard: int, stop: threading.Event) -> int:
     if not 0 <= shard < cfg.buffer.shards:
         raise ValueError(f"--shard {shard}: buffer.shards is {cfg.buffer.shards}")
-    apply_cpus_env()  # `sluice run` on a CPU host: off the learner's training cores
+    apply_placement()  # `sluice run` on a CPU host: yields to the learner's training threads
     log_dir = cfg.buffer.shard_log_dir(shard, cfg.run_dir if cfg.run.dir is not None else None)
     prom = PrometheusEndpoint(cfg.metrics.prometheus_host, cfg.metrics.port("buffer", shard))
     metrics = ShardMetrics(prom.registry, shard)

@@ -27,7 +27,7 @@ from prometheus_client import Counter, Gauge
 from sluice.buffer.client import BufferClient, PutAborted
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
-from sluice.launch.threads import apply_cpus_env
+from sluice.launch.threads import apply_placement
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.rollout_svc.engines.base import WeightUpdate
 from sluice.rollout_svc.weights import WeightFeed
@@ -406,7 +406,7 @@ def run_actor(loop: ActorLoop) -> int:
     """Run a service to its end and close it, also when it fails. Pinned (`sluice run` on a CPU
     host) only from here: building it (imports, the model) uses every core, as the learner's
     start-up does."""
-    apply_cpus_env()
+    apply_placement()
     try:
         return loop.run()
     finally:

@@ -55,12 +55,11 @@ def cores_plan(cores: int, *overrides: str) -> dict[str, dict[str, str]]:
     return plan_cores(cfg, plan_roles(cfg), list(range(cores)))
 
 
-def test_the_learner_trains_on_cores_of_its_own_and_the_rest_share_the_others():
+def test_the_learner_trains_on_cores_of_its_own_and_the_rest_yield_to_it():
     plan = cores_plan(2, "rollout.engine=hf")
-    assert plan["learner"] == {"SLUICE_CPUS": "1", "SLUICE_COMPUTE_CPUS": "0"}
-    assert {plan[r]["SLUICE_CPUS"] for r in ("buffer-0", "rollout-0", "rollout-1")} == {"1"}
-    assert "SLUICE_COMPUTE_CPUS" not in plan["rollout-0"]
-    plan = cores_plan(8, "rollout.engine=hf")  # 6 learner threads, 2 cores for the rest
+    assert plan["learner"] == {"SLUICE_CPUS": "1", "SLUICE_COMPUTE_CPUS": "0"}  # helpers on core 1
+    assert all(plan[r] == {"SLUICE_NICE": "10"} for r in ("buffer-0", "rollout-0", "rollout-1"))
+    plan = cores_plan(8, "rollout.engine=hf")  # 6 learner threads, 2 cores for its helpers
     assert plan["learner"] == {"SLUICE_CPUS": "6,7", "SLUICE_COMPUTE_CPUS": "0,1,2,3,4,5"}
 
 
@@ -72,8 +71,8 @@ def test_nothing_is_pinned_where_the_learner_would_take_every_core_or_pinning_is
 
 PINNING_CHILD = """
 import os, threading, time
-from sluice.launch.threads import ComputePinning, apply_cpus_env
-apply_cpus_env()
+from sluice.launch.threads import ComputePinning, apply_placement
+apply_placement()
 stop = threading.Event()
 tids = {}
 def helper(name):
@@ -99,3 +98,20 @@ def test_the_training_thread_is_pinned_and_its_helpers_are_swept_to_the_shared_c
     out = subprocess.run([sys.executable, "-c", PINNING_CHILD], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == "[0] [1] [0] [1]"
+
+
+def test_a_role_that_yields_runs_every_thread_at_the_lower_priority():
+    child = (
+        "import os, threading\n"
+        "from sluice.launch.threads import apply_placement\n"
+        "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start()\n"
+        "apply_placement()\n"
+        "tids = os.listdir('/proc/self/task')\n"
+        "print(sorted({os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in tids}), len(tids) >= 2)\n"
+        "stop.set()\n"
+    )
+    env = {**os.environ, "SLUICE_NICE": "10"}
+    env.pop("SLUICE_CPUS", None)
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[0] == "[10] True"

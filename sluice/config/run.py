@@ -30,11 +30,11 @@ class RunSection(Section):
     seed: int = 0
     """Seed of the learner and of the task's prompt stream."""
     pin_cores: bool = True
-    """`sluice run` on a CPU host: true gives each CPU learner rank cores of its own (as many
-    as its torch threads) and every other role the cores left, so generation never preempts the
-    step; nothing is pinned when the learner's threads would take every core
-    (docs/architecture.md, "Cores and threads"). Other launchers leave placement to their
-    scheduler."""
+    """`sluice run` on a CPU host: true gives each CPU learner rank's training thread cores of
+    its own (as many as its torch threads) and runs every other role at a lower priority on any
+    core, so generation never preempts a step yet uses the training cores while they are idle;
+    nothing is planned when the learner's threads would take every core (docs/architecture.md,
+    "Cores and threads"). Other launchers leave placement to their scheduler."""
 
 
 class MetricsConfig(Section):

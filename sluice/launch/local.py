@@ -38,10 +38,8 @@ from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
 from sluice.launch.threads import (
     available_cores,
     core_ids,
-    pin_process,
     plan_cores,
     plan_threads,
-    shared_cores,
 )
 from sluice.metrics import JsonlLog
 from sluice.net import free_port
@@ -318,9 +316,6 @@ class LocalLauncher:
 
     def run(self) -> int:
         self.start()
-        shared = shared_cores(self.pinning)
-        if shared is not None:  # supervising leaves the training cores too; after the spawns,
-            pin_process(shared)  # which inherit this affinity: start-up uses every core
         try:
             code = self.supervise()
         finally:

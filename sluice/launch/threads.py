@@ -20,10 +20,15 @@ from sluice.config.run import RunConfig
 if TYPE_CHECKING:
     from sluice.launch.plan import RoleSpec
 
-# The variable a launcher sets to pin a role's process (`run_role` applies it): core ids, "0,3".
+# The variables a launcher sets to place a role's threads (`apply_placement`): core ids, "0,3" ...
 CPUS_ENV = "SLUICE_CPUS"
-# ... and the cores of a learner rank's training thread (`pin_compute_thread`).
+# ... the cores of a learner rank's training thread (`ComputePinning`) ...
 COMPUTE_CPUS_ENV = "SLUICE_COMPUTE_CPUS"
+# ... and the nice value of a role that yields to the training threads.
+NICE_ENV = "SLUICE_NICE"
+# Rollouts and shards beside a pinned learner: CFS weight 110 against the learner's 1024, so a
+# waking training thread preempts them at once, and they take its core whenever it is idle.
+OTHERS_NICE = 10
 
 # A CPU rollout service decodes small batches one token at a time: more services scale its
 # throughput, intra-op threads barely do (measured: docs/architecture.md).
@@ -44,12 +49,14 @@ def core_ids() -> list[int]:
 
 
 def plan_cores(cfg: RunConfig, specs: list[RoleSpec], cores: list[int]) -> dict[str, dict[str, str]]:
-    """The pinning environment of each role of a host-filling run (`sluice run`), by role
-    name; a role not named is not pinned. With `run.pin_cores` and a CPU learner, each learner
+    """The placement environment of each role of a host-filling run (`sluice run`), by role
+    name; a role not named is left alone. With `run.pin_cores` and a CPU learner, each learner
     rank's training thread gets `learner.torch_threads` cores of its own (COMPUTE_CPUS_ENV) and
-    every other thread of the run, the learner's helpers included, shares the rest (CPUS_ENV):
-    a rollout's decode or a socket thread never preempts a step (docs/architecture.md, "Cores
-    and threads"). Nothing is pinned where the learner's threads would leave no core over."""
+    its helper threads the other cores (CPUS_ENV); every other role may run anywhere but at a
+    lower priority (NICE_ENV). So a rollout's decode never preempts a training step, yet takes
+    the training cores whenever the step leaves them idle, as it waits for data on a
+    generation-bound run (docs/architecture.md, "Cores and threads"). Nothing is planned where
+    the learner's threads would take every core."""
     if not cfg.run.pin_cores or not _learner_on_cpu(cfg):
         return {}
     ranks = [s for s in specs if s.kind == "learner"]
@@ -57,10 +64,10 @@ def plan_cores(cfg: RunConfig, specs: list[RoleSpec], cores: list[int]) -> dict[
     if len(ranks) == len(specs) or per_rank * len(ranks) >= len(cores):
         return {}
     shared = ",".join(map(str, cores[per_rank * len(ranks) :]))
-    plan = {spec.name: {CPUS_ENV: shared} for spec in specs}
+    plan = {spec.name: {NICE_ENV: str(OTHERS_NICE)} for spec in specs if spec.kind != "learner"}
     for i, spec in enumerate(ranks):
         own = cores[i * per_rank : (i + 1) * per_rank]
-        plan[spec.name][COMPUTE_CPUS_ENV] = ",".join(map(str, own))
+        plan[spec.name] = {CPUS_ENV: shared, COMPUTE_CPUS_ENV: ",".join(map(str, own))}
     return plan
 
 
@@ -71,27 +78,21 @@ def _cpu_set(name: str) -> set[int] | None:
     return {int(c) for c in raw.split(",")}
 
 
-def apply_cpus_env() -> None:
-    """Pin this process to the cores in SLUICE_CPUS, set by the launcher from `plan_cores`:
-    every thread it has (imports may have started some) and, by inheritance, every thread it
-    starts later. Unset: leave the affinity as it is."""
+def apply_placement() -> None:
+    """This role's place from `plan_cores`, set by the launcher: every thread it has (imports
+    may have started some) on the cores in CPUS_ENV, and at the priority in NICE_ENV; the
+    threads it starts later inherit both. Unset: left as they are."""
     cpus = _cpu_set(CPUS_ENV)
     if cpus is not None:
-        pin_process(cpus)
-
-
-def pin_process(cpus: set[int]) -> None:
-    """Every thread of this process (and what they start later) on `cpus`."""
-    for tid in _thread_ids():
-        _set_affinity(tid, cpus)
-
-
-def shared_cores(plan: dict[str, dict[str, str]]) -> set[int] | None:
-    """The cores `plan_cores` left to everything but the learner's training threads (where the
-    launcher itself belongs); None when nothing is pinned."""
-    for env in plan.values():
-        return {int(c) for c in env[CPUS_ENV].split(",")}
-    return None
+        for tid in _thread_ids():
+            _set_affinity(tid, cpus)
+    nice = os.environ.get(NICE_ENV, "").strip()
+    if nice:
+        for tid in _thread_ids():
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, int(nice))
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
 
 
 def role_threads(setting: int | str) -> int:
