@@ -742,8 +742,15 @@ class SegmentLog(ExperienceLog):
         self.counters["compacted_bytes"] += written
         self._retire_ready(time.monotonic())
 
+    def compaction_done(self) -> bool:
+        """Whether no compaction is running or waiting to be cleaned up. Safe from any thread,
+        unlike `wait_for_compaction`: a serving shard's own thread finishes a compaction at its
+        next tick (at most 0.1 s apart), so another thread waits for this instead."""
+        return self._compaction is None
+
     def wait_for_compaction(self) -> None:
-        """Block until a running compaction is done and cleaned up (tests, shutdown)."""
+        """Block until a running compaction is done and cleaned up. Only from the thread that
+        owns the log (a log used directly, shutdown): it changes the log's state."""
         if self._compaction is not None:
             self._compaction[0].exception()
             self._finish_compaction(self._compaction)

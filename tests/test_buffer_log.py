@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.groups import make_group
+from helpers.wait import wait_until
 
 from sluice.buffer.client import BufferClient, SampleRef
 from sluice.buffer.holder import Holder
@@ -102,7 +103,7 @@ def test_compaction_keeps_the_leases_held(shard_factory, tmp_path):
                 held = client.get(2)
             elif i % 4 == 3:
                 client.ack(client.get(6))  # most of it acknowledged: compaction has something to do
-        shard.server.log.wait_for_compaction()
+        wait_until(shard.server.log.compaction_done, 30, "the shard finished its compaction")
         assert client.stats()[0].stats["compactions"] >= 1
         shard.restart()
         assert client.stats()[0].stats["leases"] == 1
@@ -256,7 +257,7 @@ def test_a_log_that_held_much_keeps_every_file_its_compaction_retired(shard_fact
         wait_until_compacted = time.monotonic() + 10
         while shard.server.log.counters["compactions"] == 0 and time.monotonic() < wait_until_compacted:
             client.stats()  # each request lets the shard tick
-        shard.server.log.wait_for_compaction()
+        wait_until(shard.server.log.compaction_done, 30, "the shard finished its compaction")
         client.stats()
         retired = len(list(log_dir.glob("*.free")))
         assert retired > static, (retired, static)
@@ -279,7 +280,7 @@ def test_compaction_keeps_the_log_bounded_and_recovery_exact(shard_factory, tmp_
             if i % 4 == 3:  # consume most of what is put, keep a little
                 client.ack(client.get(6))
             if i % 50 == 0:
-                shard.server.log.wait_for_compaction()
+                wait_until(shard.server.log.compaction_done, 30, "the shard finished its compaction")
         stats = client.stats()[0].stats
         held_bytes = stats["held_bytes"]
         assert stats["compactions"] >= 5
@@ -314,7 +315,7 @@ def test_recovery_finishes_an_interrupted_compaction(tmp_path, shard_factory):
         for i in range(20):
             client.put(group(f"g{i}", nbytes=8192))
         client.ack(client.get(30))
-        shard.server.log.wait_for_compaction()
+        wait_until(shard.server.log.compaction_done, 30, "the shard finished its compaction")
         before = {p.name: p.read_bytes() for p in segments(log_dir)}
     shard.close()
     log = SegmentLog(log_dir, shard.cfg)

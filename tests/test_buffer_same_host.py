@@ -369,7 +369,7 @@ def test_a_leased_batch_keeps_its_segments_from_reuse_until_acked(shard_factory,
             client.put(big_group(f"g{i}", nbytes=8192, fill=i))
             client.ack(client.get(1))
             if i % 20 == 0:
-                shard.server.log.wait_for_compaction()
+                wait_until(shard.server.log.compaction_done, 30, "the shard finished its compaction")
         stats = client.stats()[0].stats
         assert stats["compactions"] >= 2 and stats["retiring_segments"] >= 1
         assert stats["pinned_segments"] >= 1
@@ -379,7 +379,7 @@ def test_a_leased_batch_keeps_its_segments_from_reuse_until_acked(shard_factory,
             client.put(big_group(f"g{i}", nbytes=8192, fill=i))
             client.ack(client.get(1))
             if i % 20 == 0:
-                shard.server.log.wait_for_compaction()
+                wait_until(shard.server.log.compaction_done, 30, "the shard finished its compaction")
         client.ping()
         stats = client.stats()[0].stats
         assert stats["pinned_segments"] == 0 and stats["log_recycled"] > 0

@@ -41,7 +41,7 @@ def fill(shard_factory, log: Path) -> dict[str, str]:
         for i in range(42, 60):
             expected.update(dict.fromkeys((f"g{i}/0", f"g{i}/1"), "held"))
         wait_until(lambda: client.stats()[0].stats["compactions"] >= 1, 10, "a compaction")
-        shard.server.log.wait_for_compaction()
+        wait_until(shard.server.log.compaction_done, 30, "the shard finished its compaction")
     return expected
 
 

@@ -1,5 +1,7 @@
-"""How many intra-op (torch / OpenMP) threads each role process gets: the one rule every
-launcher applies to `learner.torch_threads: auto` and `rollout.torch_threads: auto`.
+"""How many intra-op (torch / OpenMP) threads each role process gets, and where its threads
+run: the one rule every launcher applies to `learner.torch_threads: auto` and
+`rollout.torch_threads: auto`, and the placement `sluice run` gives the roles it packs on one
+host (`run.pin_cores`: `plan_cores`, `apply_placement`, `ComputePinning`).
 
 On a host the launcher fills with every role (`sluice run`), the cores are split: each CPU
 rollout service gets `ROLLOUT_THREADS`, the CPU learner group the rest, shared by its ranks,
