@@ -7,7 +7,8 @@ one workload at several staleness bounds, in one run.
               gen = seconds per batch_size samples.
   training    the real learner on the same batch shape with data never the bottleneck: sim
               rollouts with zero latency. train = the learner's busy time per step (step_s -
-              wait_s: forward/backward, optimizer, weight publish).
+              wait_s: forward/backward, optimizer, weight publish); with --repeats R, the median
+              of R runs, one before each repeat of the async runs (the VM's speed drifts).
   async       full `sluice run`s (benchmarks/learner_step.py's `measure`) at each
               learner.max_staleness: seconds per learner step after the warm-up.
 
@@ -29,6 +30,7 @@ Workloads (both configs/quickstart.yaml):
     python benchmarks/async_overlap.py --workload sim [--steps 60] [--warmup 10] [--staleness 0 1 2 4] \
         [--repeats 1] [--out benchmarks/results/async_overlap]
     python benchmarks/async_overlap.py --workload quickstart
+    python benchmarks/async_overlap.py --override learner.torch_threads=1   # any config override
     python benchmarks/async_overlap.py --quick          # smoke test: short runs, not a measurement
 
 Prints a table and writes <out>/<workload>.json and <out>/<workload>.png.
@@ -224,20 +226,29 @@ class AsyncOverlapBench:
     console: Console = field(default_factory=Console)
 
     def run(self) -> dict:
+        """Training only, generation (tuned to it), then per repeat the async runs in mirrored
+        order, each repeat after the first opening with another training-only run: the VM's
+        speed drifts by +-15% over minutes, so the training time is the median of runs spread
+        over the same minutes as the async runs it is compared with."""
         load_start = os.getloadavg()
-        order = [s for i in range(self.repeats) for s in (self.staleness[:: -1 if i % 2 else 1])]
-        phases = 1 + (self.tune_passes if self.workload.sim_generation else 1) + len(order)
+        orders = [self.staleness[:: -1 if i % 2 else 1] for i in range(self.repeats)]
+        tune = self.tune_passes if self.workload.sim_generation else 1
+        phases = self.repeats + tune + sum(map(len, orders))
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(), console=self.console, transient=True,
         ) as progress:  # fmt: skip
             self._progress, self._task = progress, progress.add_task("starting", total=phases)
-            train = self.training_only()
-            gen_overrides, gen = self.generation(train["busy_s_mean"])
-            runs = [self.async_run(s, gen_overrides, f"async-{i}-s{s}") for i, s in enumerate(order)]
+            trains = [self.training_only("train-0")]
+            gen_overrides, gen = self.generation(trains[0]["busy_s_mean"])
+            runs: list[dict] = []
+            for i, order in enumerate(orders):
+                if i:
+                    trains.append(self.training_only(f"train-{i}"))
+                runs += [self.async_run(s, gen_overrides, f"async-{i}-s{s}") for s in order]
         rows = [median_row([r for r in runs if r["max_staleness"] == s]) for s in self.staleness]
-        result = self.result(train, gen, gen_overrides, rows, load_start)
-        return {**result, "repeats": self.repeats, "runs_raw": runs}
+        result = self.result(median_row(trains), gen, gen_overrides, rows, load_start)
+        return {**result, "repeats": self.repeats, "runs_raw": runs, "training_raw": trains}
 
     def _phase(self, what: str) -> None:
         self._progress.update(self._task, description=what)
@@ -246,10 +257,10 @@ class AsyncOverlapBench:
         self._progress.advance(self._task)
         self.console.print(what)
 
-    def training_only(self) -> dict:
+    def training_only(self, name: str) -> dict:
         self._phase("training only (sim rollouts, zero latency)")
         extra = [*sim_overrides(), f"learner.max_staleness={TRAIN_STALENESS}"]
-        r = self._measure(TRAIN_STALENESS, extra, "train")
+        r = self._measure(TRAIN_STALENESS, extra, name)
         self._done(
             f"training only: {r['busy_s_mean']:.3f} s busy per step, data wait {100 * r['wait_frac']:.1f}%"
         )
@@ -405,6 +416,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="async runs per setting (medians)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "async_overlap")
     parser.add_argument("--quick", action="store_true", help="a smoke test (< 60 s idle): not a measurement")
+    parser.add_argument(
+        "--override", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides on every run"
+    )
     args = parser.parse_args()
     quiet_libraries()  # no transformers progress bars from the weights loaded here
     quick = args.quick
@@ -415,8 +429,10 @@ def main() -> int:
         parser.error("--warmup must be >= 1")
     console = Console(width=170)
     with tempfile.TemporaryDirectory(prefix="sluice-async-overlap-") as tmp:
+        base = WORKLOADS[args.workload]
+        workload = Workload(base.name, [*base.overrides, *args.override], base.sim_generation, base.config)
         bench = AsyncOverlapBench(
-            WORKLOADS[args.workload], steps, warmup, staleness, Path(tmp), repeats=args.repeats,
+            workload, steps, warmup, staleness, Path(tmp), repeats=args.repeats,
             tune_passes=1 if quick else 2, console=console,
         )  # fmt: skip
         result = bench.run()

@@ -63,10 +63,15 @@ def test_the_learner_trains_on_cores_of_its_own_and_the_rest_yield_to_it():
     assert plan["learner"] == {"SLUICE_CPUS": "6,7", "SLUICE_COMPUTE_CPUS": "0,1,2,3,4,5"}
 
 
-def test_nothing_is_pinned_where_the_learner_would_take_every_core_or_pinning_is_off():
+def test_nothing_is_placed_when_pinning_is_off():
     assert cores_plan(2, "rollout.engine=hf", "run.pin_cores=false") == {}
-    assert cores_plan(4, "rollout.engine=sim") == {}  # sleeping rollouts: the learner takes all 4
-    assert cores_plan(2, "rollout.engine=hf", "learner.ranks=2") == {}
+
+
+@pytest.mark.parametrize("overrides", [("rollout.engine=sim",), ("rollout.engine=hf", "learner.ranks=2")])
+def test_where_the_learner_takes_every_core_the_other_roles_still_yield_to_it(overrides):
+    plan = cores_plan(4 if "rollout.engine=sim" in overrides else 2, *overrides)  # sim: learner takes all
+    learners = [r for r in plan if r.startswith("learner")]
+    assert learners == [] and plan and all(env == {"SLUICE_NICE": "10"} for env in plan.values())
 
 
 PINNING_CHILD = """

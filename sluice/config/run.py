@@ -33,8 +33,9 @@ class RunSection(Section):
     """`sluice run` on a CPU host: true gives each CPU learner rank's training thread cores of
     its own (as many as its torch threads) and runs every other role at a lower priority on any
     core, so generation never preempts a step yet uses the training cores while they are idle;
-    nothing is planned when the learner's threads would take every core (docs/architecture.md,
-    "Cores and threads"). Other launchers leave placement to their scheduler."""
+    where the learner's threads take every core, nothing is pinned but the others still yield
+    (docs/architecture.md, "Cores and threads"). Other launchers leave placement to their
+    scheduler."""
 
 
 class MetricsConfig(Section):

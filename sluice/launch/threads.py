@@ -57,16 +57,19 @@ def plan_cores(cfg: RunConfig, specs: list[RoleSpec], cores: list[int]) -> dict[
     its helper threads the other cores (CPUS_ENV); every other role may run anywhere but at a
     lower priority (NICE_ENV). So a rollout's decode never preempts a training step, yet takes
     the training cores whenever the step leaves them idle, as it waits for data on a
-    generation-bound run (docs/architecture.md, "Cores and threads"). Nothing is planned where
-    the learner's threads would take every core."""
+    generation-bound run (docs/architecture.md, "Cores and threads"). Where the learner's
+    threads would take every core (sleeping sim rollouts, a group of one-thread ranks filling
+    the host), nothing is pinned, but the other roles still yield."""
     if not cfg.run.pin_cores or not _learner_on_cpu(cfg):
         return {}
     ranks = [s for s in specs if s.kind == "learner"]
     per_rank = int(cfg.learner.torch_threads) if cfg.learner.torch_threads != "auto" else 1
-    if len(ranks) == len(specs) or per_rank * len(ranks) >= len(cores):
+    if len(ranks) == len(specs):
         return {}
-    shared = ",".join(map(str, cores[per_rank * len(ranks) :]))
     plan = {spec.name: {NICE_ENV: str(OTHERS_NICE)} for spec in specs if spec.kind != "learner"}
+    if per_rank * len(ranks) >= len(cores):
+        return plan
+    shared = ",".join(map(str, cores[per_rank * len(ranks) :]))
     for i, spec in enumerate(ranks):
         own = cores[i * per_rank : (i + 1) * per_rank]
         plan[spec.name] = {CPUS_ENV: shared, COMPUTE_CPUS_ENV: ",".join(map(str, own))}
