@@ -77,6 +77,19 @@ def test_a_seed_only_one_system_finished_counts_with_a_bound_against_sluice(benc
     assert "time_ratio" not in neither  # no verdict where neither reached it
     assert s["median_time_ratio"] == pytest.approx(2.1)
     assert s["sluice_faster_every_seed"] is False
+    # over the seeds: a run that stopped short counts as slower than any that reached the bar
+    assert s["over_seeds"]["sluice"] == {"seeds": 3, "reached": 1, "median_steps": None, "median_time_s": None}
+    assert s["over_seeds"]["trl"]["reached"] == 1
+
+
+def test_the_distribution_over_seeds_counts_a_run_that_stopped_short_as_slowest(bench):
+    runs = [bench_run("sluice", 0, 300, 20.0), bench_run("sluice", 1, 500, 30.0),
+            bench_run("sluice", 2, None, None, ran=(1000, 60.0)),
+            bench_run("trl", 0, 400, 25.0), bench_run("trl", 1, 200, 10.0),
+            bench_run("trl", 2, 900, 50.0)]  # fmt: skip
+    s = bench.summarize(runs, ["copy"], [0, 1, 2])["copy"]["over_seeds"]
+    assert s["sluice"] == {"seeds": 3, "reached": 2, "median_steps": 500, "median_time_s": 30.0}
+    assert s["trl"] == {"seeds": 3, "reached": 3, "median_steps": 400, "median_time_s": 25.0}
 
 
 def run_quick(tmp_path: Path, *extra: str, timeout_s: float) -> dict:
