@@ -290,10 +290,17 @@ class ActorLoop:
         return poll
 
     def _catch_up(self, link: PolicyLink, version: int) -> bool:
-        """Wait until `link`'s weights of `version` (the newest published) have arrived."""
+        """Wait until `link`'s weights of `version` (the newest published) have arrived; False
+        when stopping, or when they did not come within `weight_sync.publish_timeout_s` (the
+        caller refunds its grant, so a receiver that missed a version never holds quota)."""
         self._apply_new_weights()
+        deadline = time.monotonic() + self.cfg.weight_sync.publish_timeout_s
         while self.producer.version_of(link.policy) < version:
             if self.stop.is_set() or link.weights.done:
+                return False
+            if time.monotonic() > deadline:
+                log.warning("%s: v%d of %s did not arrive; refunding the grant", self.control_id, version,
+                            link.policy)  # fmt: skip
                 return False
             update = link.weights.wait(timeout_s=0.5)
             if update is not None:

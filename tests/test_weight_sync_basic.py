@@ -206,6 +206,32 @@ def test_late_joiner_pulls_current_version_then_joins_the_group(env_factory):
     assert late.pulls == 1 and late.epoch == 2
 
 
+def test_a_receiver_that_joins_while_a_version_is_in_flight_pulls_it_once_published(env_factory):
+    """The JOIN lands after v1 was announced to the old epoch and before its send settled: the
+    next announcement is v2's, so without a catch-up the joiner would wait on v0 until then (at
+    max_staleness 0 that was a deadlock: its grant held for weights that never came)."""
+    import threading
+
+    model = tiny_model()
+    env = env_factory(small_cfg(send="background", confirm="background"))
+    early = env.receiver("rollout-0")
+    env.wait_members(1)
+    env.broadcaster.publish(0, model)
+    assert wait_version(early, 0).version == 0
+    wait_until(lambda: env.broadcaster.membership.published_version == 0, 10, "v0 settled")
+    settle, release = env.broadcaster._settle, threading.Event()
+    env.broadcaster._settle = lambda *a: (release.wait(30), settle(*a))[1]  # v1 stays in flight
+    perturb(model)
+    env.broadcaster.publish(1, model)
+    assert wait_version(early, 1).version == 1  # sent and received; the learner has not settled
+    late = env.receiver("rollout-1")
+    env.wait_members(2)
+    assert late.version == 0  # the published snapshot: v1's is kept only once it settles
+    release.set()
+    got = wait_version(late, 1, timeout_s=10)
+    assert_identical(got.tensors, expected(model, torch.float32))
+
+
 def test_leave_rebuilds_group_without_the_service(env_factory):
     model = tiny_model()
     env = env_factory()

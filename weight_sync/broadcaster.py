@@ -449,7 +449,7 @@ class WeightBroadcaster:
         wire = WIRE_CHECKSUMS[self._wire_checksum()] if group is not None else XXH3
         append = None
         if group is not None:
-            seq = self.membership.next_seq()
+            seq = self.membership.next_seq(version)
             self._announce(
                 seq, WeightsAnnouncement(group.epoch, version, layout, base_version, piece_bytes, wire.name)
             )

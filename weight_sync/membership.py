@@ -64,6 +64,7 @@ class Membership:
         self._seq = 0
         self.epoch = 0
         self.published_version = -1
+        self.announced_version = -1
         self._problems: list[SyncReportRequest] = []
         self.counters: Counter[str] = Counter()
 
@@ -97,6 +98,7 @@ class Membership:
             seq=self._seq,
             epoch=self.epoch,
             published_version=self.published_version,
+            announced_version=self.announced_version,
         )
 
     def _leave(self, req: LeaveRequest) -> LeaveReply:
@@ -140,10 +142,12 @@ class Membership:
 
     # -- learner thread ------------------------------------------------------------------------
 
-    def next_seq(self) -> int:
+    def next_seq(self, version: int = -1) -> int:
+        """The next announcement's seq; `version`: the weights it announces (-1: none)."""
         with self._lock:
             seq = self._seq
             self._seq += 1
+            self.announced_version = max(self.announced_version, version)
             return seq
 
     def needs_epoch(self) -> bool:

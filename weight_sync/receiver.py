@@ -242,6 +242,10 @@ class WeightReceiver:
         )
         if reply.published_version > self.version:
             self._pull()  # published between the pull and the JOIN
+        if reply.announced_version > self.version:
+            # announced before the JOIN, so sent to an epoch without this receiver and not
+            # announced again: pull it once its send settles (`send: background` widens this)
+            self._catch_up(reply.announced_version)
 
     def _catch_up(self, version: int) -> None:
         """A version went out over a group this receiver is not in (it joined after the epoch

@@ -161,6 +161,9 @@ class JoinReply(_Reply, tag="JOIN"):
     seq: int = 0  # first store announcement (ws/ann/<seq>) the receiver must read
     epoch: int = 0  # current membership epoch
     published_version: int = -1  # newest version published (-1: none yet)
+    # newest version announced: above published_version while its send is in flight, to the
+    # epoch formed before this JOIN (the receiver pulls it once published)
+    announced_version: int = -1
 
 
 class LeaveReply(_Reply, tag="LEAVE"):
