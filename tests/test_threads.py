@@ -67,9 +67,12 @@ def test_nothing_is_placed_when_pinning_is_off():
     assert cores_plan(2, "rollout.engine=hf", "run.pin_cores=false") == {}
 
 
-@pytest.mark.parametrize("overrides", [("rollout.engine=sim",), ("rollout.engine=hf", "learner.ranks=2")])
-def test_where_the_learner_takes_every_core_the_other_roles_still_yield_to_it(overrides):
-    plan = cores_plan(4 if "rollout.engine=sim" in overrides else 2, *overrides)  # sim: learner takes all
+@pytest.mark.parametrize(
+    ("cores", "overrides"),
+    [(4, ("rollout.engine=sim",)), (2, ("rollout.engine=hf", "learner.ranks=2"))],  # sim: learner takes all
+)
+def test_where_the_learner_takes_every_core_the_other_roles_still_yield_to_it(cores, overrides):
+    plan = cores_plan(cores, *overrides)
     learners = [r for r in plan if r.startswith("learner")]
     assert learners == [] and plan and all(env == {"SLUICE_NICE": "10"} for env in plan.values())
 
