@@ -99,11 +99,15 @@ class PriorityRecord(msgspec.Struct, tag_field="kind", tag="priority", forbid_un
 
 
 class SnapshotRecord(msgspec.Struct, tag_field="kind", tag="snapshot", forbid_unknown_fields=True):
-    """First record of a compacted segment: forget everything before it. The live groups follow
-    as PUT (and PRIORITY, LEASE) records; the payload holds the dedupe window's hashes (uint64)."""
+    """First record of a compacted segment: the log begins at segment `resumes_at` (segments
+    before it are gone), and this record states what they held: the dedupe window's hashes
+    (uint64, the payload), the next seq and the settled leases. The live groups that lay
+    before `resumes_at` follow as PUT (and PRIORITY, LEASE) records; those from `resumes_at`
+    on stayed where they were (None: this segment itself, every live group follows)."""
 
     next_seq: int
     settled: dict[str, int] = {}  # recently ACKed lease ids -> trajectories
+    resumes_at: int | None = None
 
 
 class SealRecord(msgspec.Struct, tag_field="kind", tag="seal", forbid_unknown_fields=True):

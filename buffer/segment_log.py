@@ -30,6 +30,7 @@ import numpy as np
 
 from sluice.buffer.dedupe import id_hash
 from sluice.buffer.groups import Group, Loc, PreparedPut, StoredTrajectory
+from sluice.buffer.log_cut import choose_cut, group_segment, live_bytes_by_segment
 from sluice.buffer.log_reader import Where, put_groups
 from sluice.buffer.log_records import (
     PREFIX,
@@ -95,6 +96,17 @@ class RecoveredState:
     leases: dict[str, LeaseRecord] = field(default_factory=dict)  # held, with their live groups' seqs
     records: int = 0
     truncated_bytes: int = 0  # torn tail cut off the last segment
+
+
+@dataclass
+class Compaction:
+    """A compaction under way: the snapshot segment being written, where the log will begin
+    once it is (segments before `resumes_at` retire), and the live groups it copies."""
+
+    future: Future
+    snapshot: int
+    resumes_at: int
+    groups: list[Group]
 
 
 @dataclass
@@ -260,8 +272,7 @@ class SegmentLog(ExperienceLog):
         self.dirty = False
         self.last_sync = time.monotonic()
         self._executor: ThreadPoolExecutor | None = None
-        # (future, last segment it replaces, the groups it copies)
-        self._compaction: tuple[Future, int, list[Group]] | None = None
+        self._compaction: Compaction | None = None
         self._compact_retry_at = 0.0
         self.counters = {
             "log_records": 0,
@@ -269,6 +280,7 @@ class SegmentLog(ExperienceLog):
             "fsyncs": 0,
             "compactions": 0,
             "compacted_bytes": 0,
+            "compaction_retired_bytes": 0,
             "compaction_errors": 0,
             "log_write_errors": 0,
             "log_recycled": 0,
@@ -295,14 +307,15 @@ class SegmentLog(ExperienceLog):
             tmp.unlink()
         self.pool = sorted(self.dir.glob("*.free"))
         numbers = sorted(int(p.stem) for p in self.dir.glob("*.seg"))
-        start = self._newest_snapshot(numbers)
+        snapshot, start = self._newest_snapshot(numbers)
         for n in [n for n in numbers if n < start]:
-            self._retire(n)  # replaced by a snapshot: finish that cleanup
+            self._retire(n)  # cut off by a compaction: finish that cleanup
         numbers = [n for n in numbers if n >= start]
         state = RecoveredState()
         live: dict[int, Group] = {}
         for i, n in enumerate(numbers):
-            self.segment_bytes[n] = self._replay_segment(n, live, state, last=i == len(numbers) - 1)
+            last = i == len(numbers) - 1
+            self.segment_bytes[n] = self._replay_segment(n, live, state, last=last, full=n >= snapshot)
         state.groups = [live[s] for s in sorted(live)]
         state.priorities = {s: p for s, p in state.priorities.items() if s in live}
         state.leases = held_leases(state.leases, live)
@@ -320,7 +333,8 @@ class SegmentLog(ExperienceLog):
             )
         return state
 
-    def _newest_snapshot(self, numbers: list[int]) -> int:
+    def _newest_snapshot(self, numbers: list[int]) -> tuple[int, int]:
+        """The newest snapshot segment and the segment the log begins at (its `resumes_at`)."""
         for n in reversed(numbers):
             path = self.dir / _segment_name(n)
             try:
@@ -328,12 +342,18 @@ class SegmentLog(ExperienceLog):
                     first = read_record(fh, path.stat().st_size, seed=n)
             except CorruptRecord:
                 continue
-            if first is not None and isinstance(first[0], SnapshotRecord):
-                return n
-        return numbers[0] if numbers else 0
+            record = first.record if first is not None else None
+            if isinstance(record, SnapshotRecord):
+                return n, n if record.resumes_at is None else record.resumes_at
+        start = numbers[0] if numbers else 0
+        return start, start
 
-    def _replay_segment(self, n: int, live: dict[int, Group], state: RecoveredState, last: bool) -> int:
-        """Fold segment `n` into the state; returns its valid length (sealing it if it had no seal)."""
+    def _replay_segment(
+        self, n: int, live: dict[int, Group], state: RecoveredState, last: bool, full: bool = True
+    ) -> int:
+        """Fold segment `n` into the state; returns its valid length (sealing it if it had no seal).
+        Not `full`: a segment before the newest snapshot, whose SNAPSHOT record states the
+        dedupe window, settled leases and next seq as of after it: only its groups count."""
         path = self.dir / _segment_name(n)
         size = path.stat().st_size
         offset = 0
@@ -349,7 +369,7 @@ class SegmentLog(ExperienceLog):
                         unclaimed.add(offset + item.payload_at)
                     elif not isinstance(item.record, SealRecord):
                         where = Where(n, offset + item.payload_at, fh.fileno(), offset)
-                        _apply(item.record, item.payload, live, state, where)
+                        _apply(item.record, item.payload, live, state, where, full)
                         if isinstance(item.record, PutRecord) and item.record.region:
                             unclaimed.discard(item.record.region[0])
                 except CorruptRecord as e:
@@ -551,7 +571,7 @@ class SegmentLog(ExperienceLog):
             self._sync()
         self._expire_reservations(now)
         if self._compaction is not None:
-            if self._compaction[0].done():
+            if self._compaction.future.done():
                 self._finish_compaction(self._compaction)
         elif now >= self._compact_retry_at and self.total_bytes > max(
             self.cfg.compact_min_bytes, self.cfg.compact_ratio * live_bytes
@@ -656,25 +676,34 @@ class SegmentLog(ExperienceLog):
     # -- compaction ----------------------------------------------------------------------------
 
     def _start_compaction(self, snap: Snapshot) -> None:
+        """Cut the log (`log_cut.py`) and write, in the background, the snapshot segment that
+        replaces the segments before the cut: the state they held and their live groups."""
         if self.ephemeral:  # only what lives in the segments moves (ZeroMQ PUTs stay in memory)
             snap.groups = [g for g in snap.groups if all(t.loc is not None for t in g.trajs)]
         replaces = self.active
         self._roll(skip=1)  # writes go on in replaces + 2; the snapshot becomes replaces + 1
+        live = live_bytes_by_segment(snap.groups)
+        target = (1 + self.cfg.compact_ratio) / 2 * sum(g.nbytes for g in snap.groups)
+        cut = choose_cut(self.segments, self.segment_bytes, live, target)
+        resumes_at = self.segments[cut] if cut < len(self.segments) else replaces + 1
+        snap.groups = [g for g in snap.groups if _lies_before(g, resumes_at)]
         tmp = self.dir / (_segment_name(replaces + 1) + ".tmp")
         self._take_file(tmp)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compaction")
-        future = self._executor.submit(self._write_snapshot, replaces + 1, tmp, snap)
-        self._compaction = (future, replaces, snap.groups)
+        future = self._executor.submit(self._write_snapshot, replaces + 1, resumes_at, tmp, snap)
+        self._compaction = Compaction(future, replaces + 1, resumes_at, snap.groups)
 
-    def _write_snapshot(self, n: int, tmp: Path, snap: Snapshot) -> tuple[int, list[list[Loc]]]:
+    def _write_snapshot(
+        self, n: int, resumes_at: int, tmp: Path, snap: Snapshot
+    ) -> tuple[int, list[list[Loc]]]:
         """Write the snapshot segment `n`. Returns its length and where each group's
         trajectories now lie in it (in `snap.groups` order)."""
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT, 0o600)
         written = 0
         locs: list[list[Loc]] = []
         try:
-            record = SnapshotRecord(next_seq=snap.next_seq, settled=snap.settled)
+            record = SnapshotRecord(next_seq=snap.next_seq, settled=snap.settled, resumes_at=resumes_at)
             written += write_all(fd, encode_record(record, [snap.seen.tobytes()], seed=n)[0])
             batch: list[Group] = []
             batch_bytes = 0
@@ -715,11 +744,10 @@ class SegmentLog(ExperienceLog):
             locs.append(group_locs)
         return write_all(fd, buffers)
 
-    def _finish_compaction(self, compaction: tuple[Future, int, list[Group]]) -> None:
-        future, replaces, groups = compaction
+    def _finish_compaction(self, compaction: Compaction) -> None:
         self._compaction = None
         try:
-            written, locs = future.result()
+            written, locs = compaction.future.result()
         except Exception:  # noqa: BLE001 - the old segments are intact; retry later
             log.exception("compaction of %s failed; keeping the uncompacted log", self.dir)
             self.counters["compaction_errors"] += 1
@@ -727,17 +755,17 @@ class SegmentLog(ExperienceLog):
             for tmp in self.dir.glob("*.tmp"):
                 tmp.unlink(missing_ok=True)
             return
-        for group, group_locs in zip(groups, locs):  # live groups now lie in the snapshot
+        for group, group_locs in zip(compaction.groups, locs):  # the copied groups lie there now
             for t, loc in zip(group.trajs, group_locs):
                 self._move(t, loc)
-        retired = [n for n in self.segments if n <= replaces]
+        retired = [n for n in self.segments if n < compaction.resumes_at]
         for n in retired:
             self.segments.remove(n)
-            del self.segment_bytes[n]
+            self.counters["compaction_retired_bytes"] += self.segment_bytes.pop(n)
             self.retiring.append(n)
         self.pool_max = max(self.pool_max, recycle_keep(self.cfg, len(retired)))
-        self.segments = sorted([*self.segments, replaces + 1])
-        self.segment_bytes[replaces + 1] = written
+        self.segments = sorted([*self.segments, compaction.snapshot])
+        self.segment_bytes[compaction.snapshot] = written
         self.counters["compactions"] += 1
         self.counters["compacted_bytes"] += written
         self._retire_ready(time.monotonic())
@@ -752,7 +780,7 @@ class SegmentLog(ExperienceLog):
         """Block until a running compaction is done and cleaned up. Only from the thread that
         owns the log (a log used directly, shutdown): it changes the log's state."""
         if self._compaction is not None:
-            self._compaction[0].exception()
+            self._compaction.future.exception()
             self._finish_compaction(self._compaction)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -785,16 +813,22 @@ class SegmentLog(ExperienceLog):
 
 
 def _apply(
-    record: Record, payload: memoryview, live: dict[int, Group], state: RecoveredState, where: Where
+    record: Record,
+    payload: memoryview,
+    live: dict[int, Group],
+    state: RecoveredState,
+    where: Where,
+    full: bool = True,
 ) -> None:
-    """Fold one record into the state being recovered."""
+    """Fold one record into the state being recovered (not `full`: its groups and leases only,
+    see `_replay_segment`)."""
     if isinstance(record, PutRecord):
         for group in put_groups(record, payload, where):
             live[group.seq] = group
             state.next_seq = max(state.next_seq, group.seq + 1)
-            state.seen_hashes.append(
-                np.fromiter((id_hash(t.meta.traj_id) for t in group.trajs), np.uint64, group.size)
-            )
+            if full:
+                hashes = (id_hash(t.meta.traj_id) for t in group.trajs)
+                state.seen_hashes.append(np.fromiter(hashes, np.uint64, group.size))
         for seq in record.evicted:
             live.pop(seq, None)
     elif isinstance(record, AckRecord):
@@ -812,13 +846,17 @@ def _apply(
     elif isinstance(record, PriorityRecord):
         for seq, p in zip(record.seqs, record.priorities):
             state.priorities[seq] = p
-    elif isinstance(record, SnapshotRecord):
-        live.clear()
-        state.priorities.clear()
+    elif isinstance(record, SnapshotRecord) and full:
+        # what the log held before this segment: the groups kept in place were read already
         state.seen_hashes = [np.frombuffer(payload, dtype=np.uint64)]
         state.settled = dict(record.settled)
-        state.leases.clear()
-        state.next_seq = record.next_seq
+        state.next_seq = max(state.next_seq, record.next_seq)
+
+
+def _lies_before(group: Group, segment: int) -> bool:
+    """The group's arrays are (at least partly) in a segment before `segment`, or in memory."""
+    n = group_segment(group)
+    return n is None or n < segment
 
 
 def held_leases(logged: dict[str, LeaseRecord], live: dict[int, Group]) -> dict[str, LeaseRecord]:
