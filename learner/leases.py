@@ -42,6 +42,8 @@ class StepLeases:
 class LeaseLedger:
     pending: list[StepLeases] = field(default_factory=list)
     skip_ids: set[str] = field(default_factory=set)
+    # steps whose ACKs are on their way (sent by another thread, `detach`), not yet `apply`d
+    in_flight: list[StepLeases] = field(default_factory=list)
 
     def filter(self, trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], list[str]]:
         """(trajectories to train on, ids skipped because they were trained already: in
@@ -52,8 +54,8 @@ class LeaseLedger:
         return keep, [t.traj_id for t in trajs if t.traj_id in held]
 
     def pending_ids(self) -> set[str]:
-        """Every trajectory id of the steps not yet ACKed."""
-        return {i for step in self.pending for i in step.traj_ids}
+        """Every trajectory id of the steps not yet ACKed (or whose ACKs are on their way)."""
+        return {i for step in (*self.pending, *self.in_flight) for i in step.traj_ids}
 
     def add(self, leased: LeasedBatch, skipped: list[str], leased_at: float) -> None:
         self.pending.append(
@@ -67,25 +69,39 @@ class LeaseLedger:
 
     def settle(self, client: BufferClient) -> tuple[int, list[str]]:
         """ACK every pending lease. Returns (trajectories ACKed, ids newly added to skip_ids)."""
-        acked, lost = 0, []
-        for step in self.pending:
-            ok = True
-            for lease in step.leases:
-                try:
-                    acked += client.ack(LeasedBatch(leases=[lease]))
-                except BufferError as e:
-                    if e.code != "UNKNOWN_LEASE":
-                        raise
-                    ok = False
-            if ok:
+        steps = self.detach()
+        try:
+            acks = ack_steps(client, steps)
+        except BaseException:
+            self.undo(steps)
+            raise
+        return self.apply(steps, acks)
+
+    def detach(self) -> list[StepLeases]:
+        """The pending steps, now in flight: their ids stay held until `apply`."""
+        steps, self.pending = self.pending, []
+        self.in_flight.extend(steps)
+        return steps
+
+    def undo(self, steps: list[StepLeases]) -> None:
+        """`steps` (detached) are pending again: their ACKs did not get through."""
+        self.in_flight = [s for s in self.in_flight if all(s is not x for x in steps)]
+        self.pending[:0] = steps
+
+    def apply(self, steps: list[StepLeases], acks: list[tuple[int, bool]]) -> tuple[int, list[str]]:
+        """Record what `ack_steps` found for `steps` (detached before). Returns (trajectories
+        ACKed, ids newly added to skip_ids)."""
+        lost: list[str] = []
+        for step, (_, whole) in zip(steps, acks, strict=True):
+            self.in_flight.remove(step)
+            if whole:
                 self.skip_ids.difference_update(step.skipped)
-            else:
-                log.warning("a trained lease was gone at ACK: its %d ids will be skipped", len(step.traj_ids))
-                new = [i for i in step.traj_ids if i not in self.skip_ids]
-                self.skip_ids.update(step.traj_ids)
-                lost.extend(new)
-        self.pending.clear()
-        return acked, lost
+                continue
+            log.warning("a trained lease was gone at ACK: its %d ids will be skipped", len(step.traj_ids))
+            new = [i for i in step.traj_ids if i not in self.skip_ids]
+            self.skip_ids.update(step.traj_ids)
+            lost.extend(new)
+        return sum(n for n, _ in acks), lost
 
     # -- checkpoint state ----------------------------------------------------------------------
 
@@ -93,7 +109,7 @@ class LeaseLedger:
         return {
             "pending": [
                 {"leases": [list(x) for x in s.leases], "traj_ids": s.traj_ids, "skipped": s.skipped}
-                for s in self.pending
+                for s in (*self.in_flight, *self.pending)
             ],
             "skip_ids": sorted(self.skip_ids),
         }
@@ -108,3 +124,21 @@ class LeaseLedger:
             for s in state.get("pending", [])
         ]
         return cls(pending=pending, skip_ids=set(state.get("skip_ids", [])))
+
+
+def ack_steps(client: BufferClient, steps: Sequence[StepLeases]) -> list[tuple[int, bool]]:
+    """ACK every lease of `steps`: per step, (trajectories ACKed, whether every lease was still
+    there; one may be gone: expired, or its shard restarted). Touches only `client`, so it may
+    run on another thread than the ledger's."""
+    out: list[tuple[int, bool]] = []
+    for step in steps:
+        acked, whole = 0, True
+        for lease in step.leases:
+            try:
+                acked += client.ack(LeasedBatch(leases=[lease]))
+            except BufferError as e:
+                if e.code != "UNKNOWN_LEASE":
+                    raise
+                whole = False
+        out.append((acked, whole))
+    return out

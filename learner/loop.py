@@ -28,6 +28,7 @@ from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer, samples_by_service
 from sluice.launch.threads import ComputePinning, role_threads
+from sluice.learner.acks import BackgroundAcks
 from sluice.learner.balance import assign_to_ranks
 from sluice.learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
 from sluice.learner.dist import DistContext, init_dist, pick_device
@@ -119,6 +120,8 @@ class Learner:
         self.ledger = LeaseLedger.from_state(state.get("leases", {}))
         if resumed:
             self._settle_resumed(state)
+        endpoints = cfg.buffer.all_endpoints()
+        self.acks = BackgroundAcks(self.ledger, lambda: BufferClient(endpoints, ctx=client_ctx))
         admission = AdmissionPolicy(lc.batch_size, lc.max_staleness, started=self._admitted_already())
         self.control = ControlServer(
             cfg.control.bind_endpoint,
@@ -320,15 +323,16 @@ class Learner:
                     "dropped": [t.traj_id for t in fetched.leased.trajs if t.traj_id not in used],
                 }
             )
-        if self.cfg.learner.checkpoint_every == 0:
-            self._ack_trained()
+        if self.cfg.learner.checkpoint_every == 0:  # sent while the next step trains
+            self.control.charge(len(self.acks.send()))
 
     def _ack_trained(self) -> list[str]:
-        """ACK the ledger's leases. Ids whose lease was gone (a shard restarted, a lease
-        expired) are queued again after being consumed: admission counts them as started again
-        (without it: 1,152 extra samples of quota after a shard kill, a stale surge of 64-704
-        drops a step to the end). Returns those ids."""
-        _, lost = self.ledger.settle(self.buffer)
+        """ACK the ledger's leases (those in flight first). Ids whose lease was gone (a shard
+        restarted, a lease expired) are queued again after being consumed: admission counts
+        them as started again (without it: 1,152 extra samples of quota after a shard kill, a
+        stale surge of 64-704 drops a step to the end). Returns those ids."""
+        lost = self.acks.collect()
+        lost += self.ledger.settle(self.buffer)[1]
         self.control.charge(len(lost))
         return lost
 
@@ -427,6 +431,7 @@ class Learner:
             # plane and rollouts leave their loops before the control server disappears.
             self.broadcaster.close()
             self.source.close()
+            self.acks.close()
             self.control.close()
             self.buffer.close()
             if self.audit is not None:
