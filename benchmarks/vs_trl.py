@@ -15,7 +15,7 @@ Before the systems, the *bound*: plain torch on the same directory, (a) one trai
 and 2 torch threads. Bound per step = max(train@1, generate@1): one core per phase, perfectly
 overlapped, which is the most two cores allow an asynchronous system. The VM's speed drifts by
 +-15% over minutes, so each Sluice run is set against the bound (1 thread) measured again just
-before it.
+before and just after it (their mean; both are in the JSON).
 
 Stop rule: the 5-step trailing mean of the per-step mean reward reaches 0.9 (the first steps at
 which it reached 0.5 and 0.7 are recorded too), or `--max-steps`.
@@ -783,7 +783,7 @@ def seed_ratios(s: dict, t: dict) -> dict:
 
 def against_bound(runs: list[dict], bound: dict) -> list[dict]:
     """Sluice's measured seconds per step (median learner step_s, and clock time / steps) next
-    to the bound per step measured just before the run (the run-wide one where it has none)."""
+    to the bound per step measured around the run (the run-wide one where it has none)."""
     rows = []
     for r in (r for r in runs if r["system"] == "sluice"):
         step_s = r.get("phases", {}).get("learner", {}).get("step_s")
@@ -975,14 +975,25 @@ def run_all(args, model_dir: Path, work: Path, console: Console) -> list[dict]:
             }  # fmt: skip
             systems = [run_sluice] if args.skip_trl else [run_trl, run_sluice]
             for run in systems if i % 2 == 0 else systems[::-1]:
-                # the VM's speed drifts by +-15% over minutes: each Sluice run is set against
-                # the bound measured just before it
-                near = measure_bound(model_dir, args.bound_repeats, 2, (1,)) if run is run_sluice else {}
-                result = run(spec, progress)
-                if near:
-                    result["bound_s_per_step"] = near["bound_s_per_step"]
+                result = bracketed(run, spec, progress, model_dir, args.bound_repeats)
                 runs.append({"task": task, "seed": seed, **result})
     return runs
+
+
+def bracketed(run, spec: dict, progress: Progress, model_dir: Path, repeats: int) -> dict:
+    """`run`, and for a Sluice run the bound measured just before and just after it: the VM's
+    speed drifts by +-15% over minutes, so each run is set against the mean of the two."""
+    if run is not run_sluice:
+        return run(spec, progress)
+    before = measure_bound(model_dir, repeats, 2, (1,))["bound_s_per_step"]
+    result = run(spec, progress)
+    after = measure_bound(model_dir, repeats, 2, (1,))["bound_s_per_step"]
+    return {
+        **result,
+        "bound_s_per_step": (before + after) / 2,
+        "bound_before_s": before,
+        "bound_after_s": after,
+    }
 
 
 def main() -> None:

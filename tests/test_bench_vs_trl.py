@@ -120,6 +120,9 @@ def test_quick_sluice_and_bound(tmp_path):
     assert bound["bound_s_per_step"] == max(bound["train_s"]["1"], bound["generate_s"]["1"])
     (vs_bound,) = data["sluice_vs_bound"]
     assert vs_bound["wall_over_bound"] > 0
+    # the run is set against the bound measured around it: the mean of before and after
+    assert run["bound_before_s"] > 0 and run["bound_after_s"] > 0
+    assert vs_bound["bound_s_per_step"] == (run["bound_before_s"] + run["bound_after_s"]) / 2
 
 
 @pytest.mark.slow
