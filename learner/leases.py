@@ -1,7 +1,8 @@
 """Exactly-once consumption across learner crashes: which leases are trained but not ACKed.
 
 The rule: a lease is ACKed only once a checkpoint that contains the effect of training on it
-is on disk (with checkpoints off, right after the step). So:
+is on disk (with checkpoints off, right after the step: sent by learner/acks.py's worker while
+the next step trains, the step's ids held as `in_flight` until the replies are applied). So:
 - crash before that checkpoint: the leases are not ACKed, they expire at the shard and are
   redelivered; the learner resumes from a state that never saw them and trains on them once.
 - crash after the checkpoint, before or during the ACKs: the checkpoint lists those leases

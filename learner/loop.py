@@ -300,7 +300,8 @@ class Learner:
         return self.stop.is_set() or reached
 
     def consumed(self, step: StepBatch) -> None:
-        """Rank 0: the step's leases join the ledger; ACKed now unless checkpoints hold them."""
+        """Rank 0: the step's leases join the ledger; their ACKs go out now (on the ACK worker,
+        learner/acks.py) unless checkpoints hold them."""
         if not self.dist.is_main:
             return
         fetched = step.rank0_fetched()
