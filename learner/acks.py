@@ -62,7 +62,8 @@ class BackgroundAcks:
         except Exception as e:  # noqa: BLE001 - closing; the steps are pending again
             log.warning("ACKs in flight at close failed: %s", e)
         finally:
-            self._pool.submit(self._close_client).result()
+            if self._client is not None:  # nothing in flight now: the worker is idle
+                self._pool.submit(self._close_client).result()
             self._pool.shutdown(wait=True)
 
     def _ack(self, steps: list[StepLeases]) -> list[tuple[int, bool]]:
@@ -71,6 +72,6 @@ class BackgroundAcks:
         return ack_steps(self._client, steps)
 
     def _close_client(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        assert self._client is not None
+        self._client.close()
+        self._client = None

@@ -86,15 +86,19 @@ class LeaseLedger:
 
     def undo(self, steps: list[StepLeases]) -> None:
         """`steps` (detached) are pending again: their ACKs did not get through."""
-        self.in_flight = [s for s in self.in_flight if all(s is not x for x in steps)]
+        self._land(steps)
         self.pending[:0] = steps
+
+    def _land(self, steps: list[StepLeases]) -> None:
+        """`steps` are no longer in flight."""
+        self.in_flight = [s for s in self.in_flight if all(s is not x for x in steps)]
 
     def apply(self, steps: list[StepLeases], acks: list[tuple[int, bool]]) -> tuple[int, list[str]]:
         """Record what `ack_steps` found for `steps` (detached before). Returns (trajectories
         ACKed, ids newly added to skip_ids)."""
+        self._land(steps)
         lost: list[str] = []
         for step, (_, whole) in zip(steps, acks, strict=True):
-            self.in_flight.remove(step)
             if whole:
                 self.skip_ids.difference_update(step.skipped)
                 continue
