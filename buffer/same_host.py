@@ -220,17 +220,12 @@ class SameHostPeer:
             if ref.segment < 0:
                 out.append(Trajectory.from_wire(meta, next(per_inline)))
                 continue
-            codec.check_specs(meta.arrays, f"trajs[{i}]")
-            sizes = array_sizes(meta)
+            nbytes = codec.check_specs(meta.arrays, f"trajs[{i}]")
             try:
-                data = self.maps.view(ref.segment, ref.offset, sum(sizes))
+                data = self.maps.view(ref.segment, ref.offset, nbytes)
             except SegmentGone as e:
                 raise codec.ProtocolError("BAD_PAYLOAD", f"refs[{i}]: {e}") from None
-            arrays, at = {}, 0
-            for spec, n in zip(meta.arrays, sizes):
-                arrays[spec.name] = codec.view_array(spec, data[at : at + n])
-                at += n
-            out.append(Trajectory.from_meta(meta, arrays))
+            out.append(Trajectory.from_meta(meta, codec.view_arrays(meta.arrays, data)))
         return out
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ import zmq
 
 from sluice.buffer.groups import Group, GroupIncomplete, PutTooLarge, ShardFull
 from sluice.buffer.holder import Holder
-from sluice.buffer.log_records import array_sizes, region_layout
+from sluice.buffer.log_records import region_layout
 from sluice.buffer.metrics import ShardMetrics
 from sluice.buffer.same_host import host_id, make_arena, write_token
 from sluice.buffer.segment_log import LogWriteError, NoSuchRegion, RecoveredState, Snapshot, build_log
@@ -375,8 +375,7 @@ class ShardServer:
             ) from None
         sizes = []
         for i, traj in enumerate(req.trajs):
-            codec.check_specs(traj.arrays, f"trajs[{i}]")
-            sizes.append(array_sizes(traj))
+            sizes.append(codec.spec_sizes(traj.arrays, f"trajs[{i}]"))
         starts, total = region_layout([sum(s) for s in sizes])
         if total > res.nbytes:
             raise codec.ProtocolError(

@@ -8,7 +8,7 @@ import pytest
 
 from sluice.trajectory import Trajectory, from_wire_batch, to_wire_batch
 from sluice.wire import codec
-from sluice.wire.messages import PROTO_VERSION, GetRequest, PutRequest
+from sluice.wire.messages import PROTO_VERSION, ArraySpec, GetRequest, PutRequest
 
 
 def make_traj(i: int, n: int = 5, group: str = "g0", group_size: int = 1, version: int = 3) -> Trajectory:
@@ -90,6 +90,26 @@ def test_non_msgpack_and_wrong_version():
     with pytest.raises(codec.ProtocolError) as e:
         codec.decode_request([msgspec.msgpack.encode({"proto": 99, "op": "PING", "id": 4})])
     assert e.value.code == "PROTO_VERSION" and e.value.request_id == 4
+
+
+def test_arrays_laid_back_to_back_are_viewed_as_the_frames_are():
+    """`view_arrays` (a same-host GET: a trajectory's arrays in one mapped region) gives the
+    arrays `view_array` gives frame by frame: every dtype and shape, an empty array, an N-d
+    one, at their offsets, read-only when the region is."""
+    t = make_traj(2, n=4)
+    meta, payload = t.to_wire()
+    sizes = codec.spec_sizes(meta.arrays, "trajs[0]")
+    assert sizes == [len(codec.frame_bytes(f)) for f in payload]
+    region = memoryview(b"".join(bytes(f) for f in payload))
+    views = codec.view_arrays(meta.arrays, region)
+    assert list(views) == list(t.arrays)
+    for name, array in t.arrays.items():
+        assert views[name].dtype == array.dtype and views[name].shape == array.shape
+        assert np.array_equal(views[name], array)
+        assert not views[name].flags.writeable
+    negative = [ArraySpec(name="x", dtype="int32", shape=[2, -1])]
+    with pytest.raises(codec.ProtocolError, match=r"trajs\[3\]\.arrays\[0\]\.shape=\[2, -1\] is negative"):
+        codec.spec_sizes(negative, "trajs[3]")
 
 
 def test_payload_length_mismatch_names_the_frame():

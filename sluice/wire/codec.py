@@ -178,19 +178,26 @@ def array_payload(array: np.ndarray) -> memoryview:
     return np.ascontiguousarray(array).reshape(-1).data.cast("B")
 
 
-def check_specs(specs: Sequence[ArraySpec], where: str) -> int:
-    """Validate dtypes and shapes; return the total payload bytes they announce."""
-    total = 0
+def spec_sizes(specs: Sequence[ArraySpec], where: str) -> list[int]:
+    """Validate dtypes and shapes; return each array's payload bytes, in order. On the hot path
+    of every PUT and GET (a batch's every array): C-level calls only, no generator per spec."""
+    sizes = []
     for j, spec in enumerate(specs):
-        if spec.dtype not in DTYPES:
+        itemsize = DTYPES.get(spec.dtype)
+        if itemsize is None:
             raise ProtocolError(
                 "BAD_HEADER",
                 f"{where}.arrays[{j}].dtype={spec.dtype!r} is not one of {sorted(DTYPES)}",
             )
-        if any(d < 0 for d in spec.shape):
+        if spec.shape and min(spec.shape) < 0:
             raise ProtocolError("BAD_HEADER", f"{where}.arrays[{j}].shape={spec.shape} is negative")
-        total += math.prod(spec.shape) * DTYPES[spec.dtype]
-    return total
+        sizes.append(math.prod(spec.shape) * itemsize)
+    return sizes
+
+
+def check_specs(specs: Sequence[ArraySpec], where: str) -> int:
+    """Validate dtypes and shapes; return the total payload bytes they announce."""
+    return sum(spec_sizes(specs, where))
 
 
 def split_payload(trajs: Sequence[TrajectoryMeta], payload: Sequence[Frame]) -> list[list[Frame]]:
@@ -204,12 +211,11 @@ def split_payload(trajs: Sequence[TrajectoryMeta], payload: Sequence[Frame]) -> 
     out: list[list[Frame]] = []
     k = 0
     for i, traj in enumerate(trajs):
-        check_specs(traj.arrays, f"trajs[{i}]")
         frames_i = []
-        for j, spec in enumerate(traj.arrays):
-            want = math.prod(spec.shape) * DTYPES[spec.dtype]
+        for j, want in enumerate(spec_sizes(traj.arrays, f"trajs[{i}]")):
             got = len(frame_bytes(payload[k]))
             if got != want:
+                spec = traj.arrays[j]
                 raise ProtocolError(
                     "BAD_PAYLOAD",
                     f"frame {k + 1} (trajs[{i}].arrays[{j}] {spec.name!r}): {got} bytes, "
@@ -223,4 +229,19 @@ def split_payload(trajs: Sequence[TrajectoryMeta], payload: Sequence[Frame]) -> 
 
 def view_array(spec: ArraySpec, frame: Frame) -> np.ndarray:
     """A read-only numpy view of a payload frame. bfloat16 comes back as uint16 words."""
-    return np.frombuffer(frame_bytes(frame), dtype=_NUMPY_DTYPES[spec.dtype]).reshape(spec.shape)
+    array = np.frombuffer(frame_bytes(frame), dtype=_NUMPY_DTYPES[spec.dtype])
+    return array if len(spec.shape) == 1 else array.reshape(spec.shape)
+
+
+def view_arrays(specs: Sequence[ArraySpec], data: memoryview) -> dict[str, np.ndarray]:
+    """Views of arrays laid out back to back in `data` in the order of `specs` (sizes checked by
+    `spec_sizes`, `data` at least their sum): a trajectory's arrays in a segment file. One
+    numpy call per 1-D array, no slice of `data` per array."""
+    arrays, at = {}, 0
+    for spec in specs:
+        dtype = _NUMPY_DTYPES[spec.dtype]
+        count = math.prod(spec.shape)
+        array = np.frombuffer(data, dtype=dtype, count=count, offset=at)
+        arrays[spec.name] = array if len(spec.shape) == 1 else array.reshape(spec.shape)
+        at += count * dtype.itemsize
+    return arrays
