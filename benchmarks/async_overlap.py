@@ -7,10 +7,13 @@ one workload at several staleness bounds, in one run.
               gen = seconds per batch_size samples.
   training    the real learner on the same batch shape with data never the bottleneck: sim
               rollouts with zero latency. train = the learner's busy time per step (step_s -
-              wait_s: forward/backward, optimizer, weight publish); with --repeats R, the median
-              of R runs, one before each repeat of the async runs (the VM's speed drifts).
+              wait_s: forward/backward, optimizer, weight publish).
   async       full `sluice run`s (benchmarks/learner_step.py's `measure`) at each
               learner.max_staleness: seconds per learner step after the warm-up.
+  brackets    generation only and training only run again after each repeat of the async
+              runs, and each async run is set against the mean of the two measurements around
+              its repeat: the VM's speed drifts by +-15% over minutes. Rows are the medians over
+              `--repeats` runs of a setting; the top-level gen and train the medians of all.
 
 A synchronous system takes gen + train per step; perfect overlap takes max(gen, train). Per
 setting: speed-up = (gen + train) / s_per_step, ideal = (gen + train) / max(gen, train), and
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -88,6 +92,25 @@ def overlap(s_per_step: float, gen_s: float, train_s: float) -> dict[str, float]
     ideal = sync / max(gen_s, train_s)
     speedup = sync / s_per_step
     return {"speedup": speedup, "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal}
+
+
+def medians(measurements: list[dict]) -> dict:
+    """The median of every number the measurements all hold."""
+    keys = [k for k, v in measurements[0].items() if isinstance(v, (int, float))]
+    return {
+        k: statistics.median(m[k] for m in measurements) for k in keys if all(k in m for m in measurements)
+    }
+
+
+def bracket(run: dict, trains: list[dict], gens: list[dict]) -> None:
+    """Set an async run against the mean of the training-only and generation-only measurements
+    just before and just after its repeat (its `gen_s`, `train_s`), and against its own learner
+    busy time (`*_in_run`)."""
+    run["gen_s"] = statistics.mean(g["s_per_step"] for g in gens)
+    run["train_s"] = statistics.mean(t["busy_s_mean"] for t in trains)
+    run.update(overlap(run["s_per_step"], run["gen_s"], run["train_s"]))
+    in_run = overlap(run["s_per_step"], run["gen_s"], run["busy_s_mean"])
+    run.update({f"{k}_in_run": v for k, v in in_run.items()})
 
 
 def call_parts(r: dict) -> str:
@@ -227,28 +250,37 @@ class AsyncOverlapBench:
 
     def run(self) -> dict:
         """Training only, generation (tuned to it), then per repeat the async runs in mirrored
-        order, each repeat after the first opening with another training-only run: the VM's
-        speed drifts by +-15% over minutes, so the training time is the median of runs spread
-        over the same minutes as the async runs it is compared with."""
+        order, and after each repeat training only and generation only again. The VM's speed
+        drifts by +-15% over minutes, so each async run is set against the mean of the
+        measurements just before and just after its repeat (`bracket`), and each setting's row
+        holds the medians over its runs."""
         load_start = os.getloadavg()
         orders = [self.staleness[:: -1 if i % 2 else 1] for i in range(self.repeats)]
         tune = self.tune_passes if self.workload.sim_generation else 1
-        phases = self.repeats + tune + sum(map(len, orders))
+        phases = 2 * self.repeats + 1 + tune + sum(map(len, orders))
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
             TimeElapsedColumn(), console=self.console, transient=True,
         ) as progress:  # fmt: skip
             self._progress, self._task = progress, progress.add_task("starting", total=phases)
             trains = [self.training_only("train-0")]
-            gen_overrides, gen = self.generation(trains[0]["busy_s_mean"])
-            runs: list[dict] = []
+            gen_overrides, first_gen = self.generation(trains[0]["busy_s_mean"])
+            gens, runs = [first_gen], []
             for i, order in enumerate(orders):
-                if i:
-                    trains.append(self.training_only(f"train-{i}"))
-                runs += [self.async_run(s, gen_overrides, f"async-{i}-s{s}") for s in order]
+                runs += [{**self.async_run(s, gen_overrides, f"async-{i}-s{s}"), "repeat": i} for s in order]
+                trains.append(self.training_only(f"train-{i + 1}"))
+                gens.append(self.generation_only(gen_overrides))
+        for r in runs:
+            bracket(r, trains[r["repeat"] : r["repeat"] + 2], gens[r["repeat"] : r["repeat"] + 2])
         rows = [median_row([r for r in runs if r["max_staleness"] == s]) for s in self.staleness]
-        result = self.result(median_row(trains), gen, gen_overrides, rows, load_start)
-        return {**result, "repeats": self.repeats, "runs_raw": runs, "training_raw": trains}
+        result = self.result(median_row(trains), medians(gens), first_gen, gen_overrides, rows, load_start)
+        return {
+            **result,
+            "repeats": self.repeats,
+            "runs_raw": runs,
+            "training_raw": trains,
+            "generation_raw": gens,
+        }
 
     def _phase(self, what: str) -> None:
         self._progress.update(self._task, description=what)
@@ -311,12 +343,12 @@ class AsyncOverlapBench:
         overrides = [*self.workload.overrides, *extra]
         return measure(self.workload.config, staleness, self.steps, self.warmup, self.work / name, overrides)
 
-    def result(self, train: dict, gen: dict, gen_overrides: list[str], rows: list[dict], load: tuple) -> dict:
+    def result(
+        self, train: dict, gen: dict, first_gen: dict, gen_overrides: list[str], rows: list[dict], load: tuple
+    ) -> dict:
+        """The JSON: per setting the medians of its runs' bracketed figures (`rows`); at the top
+        the medians of every generation-only and training-only measurement."""
         g, t = gen["s_per_step"], train["busy_s_mean"]
-        for r in rows:
-            r.update(overlap(r["s_per_step"], g, t))
-            # the same against this run's own learner busy time (the load drifts between runs)
-            r.update({f"{k}_in_run": v for k, v in overlap(r["s_per_step"], g, r["busy_s_mean"]).items()})
         target = next((r for r in rows if r["max_staleness"] == TARGET_STALENESS), None)
         return {
             "workload": self.workload.name,
@@ -325,7 +357,7 @@ class AsyncOverlapBench:
             "steps": self.steps,
             "warmup": self.warmup,
             "batch_size": self.workload.load().learner.batch_size,
-            "generation": gen,
+            "generation": {**gen, "decode_step_s": first_gen.get("decode_step_s")},
             "training": train,
             "gen_s": g,
             "train_s": t,
@@ -355,12 +387,14 @@ def report(result: dict, console: Console) -> None:
         f"per step, ideal {result['ideal_s_per_step']:.3f} s ({result['ideal_speedup']:.2f}x)"
         + (f", medians of {result['repeats']} runs" if result["repeats"] > 1 else "")
     )
-    for col in ("max_staleness", "s/step", "speed-up", "of ideal", "of ideal, in-run train", "learner busy s",
+    for col in ("max_staleness", "s/step", "gen / train s", "speed-up", "of ideal", "of ideal, in-run train",
+                "learner busy s",
                 "data wait", "staleness max", "rollout call s", "pause s", "put s", "load"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in result["rows"]:
         table.add_row(
-            str(r["max_staleness"]), f"{r['s_per_step']:.3f}", f"{r['speedup']:.2f}x",
+            str(r["max_staleness"]), f"{r['s_per_step']:.3f}", f"{r['gen_s']:.3f} / {r['train_s']:.3f}",
+            f"{r['speedup']:.2f}x",
             f"{100 * r['fraction_of_ideal']:.0f}%", f"{100 * r['fraction_of_ideal_in_run']:.0f}%",
             f"{r['busy_s_mean']:.3f}", f"{100 * r['wait_frac']:.0f}%", str(r["staleness_max"]),
             f"{r['rollout_period_s_mean']:.3f}", f"{r['rollout_pause_s_mean']:.3f}",
