@@ -26,8 +26,10 @@ def test_cpu_rollouts_get_one_thread_and_the_learner_the_rest():
     assert planned(8, "rollout.engine=hf", "learner.ranks=2") == (3, 1)
 
 
-def test_sleeping_rollouts_leave_every_core_to_the_learner():
-    assert planned(4, "rollout.engine=sim") == (4, 1)
+def test_sleeping_rollouts_leave_the_learner_all_but_a_core_for_the_shards_and_services():
+    assert planned(4, "rollout.engine=sim") == (3, 1)
+    assert planned(2, "rollout.engine=sim") == (1, 1)
+    assert planned(1, "rollout.engine=sim") == (1, 1)  # never below one
 
 
 def test_explicit_thread_counts_are_kept():
@@ -61,6 +63,8 @@ def test_the_learner_trains_on_cores_of_its_own_and_the_rest_yield_to_it():
     assert all(plan[r] == {"SLUICE_NICE": "10"} for r in ("buffer-0", "rollout-0", "rollout-1"))
     plan = cores_plan(8, "rollout.engine=hf")  # 6 learner threads, 2 cores for its helpers
     assert plan["learner"] == {"SLUICE_CPUS": "6,7", "SLUICE_COMPUTE_CPUS": "0,1,2,3,4,5"}
+    plan = cores_plan(4, "rollout.engine=sim")  # sim: the core left is the shards' and helpers'
+    assert plan["learner"] == {"SLUICE_CPUS": "3", "SLUICE_COMPUTE_CPUS": "0,1,2"}
 
 
 def test_nothing_is_placed_when_pinning_is_off():
@@ -69,7 +73,7 @@ def test_nothing_is_placed_when_pinning_is_off():
 
 @pytest.mark.parametrize(
     ("cores", "overrides"),
-    [(4, ("rollout.engine=sim",)), (2, ("rollout.engine=hf", "learner.ranks=2"))],  # sim: learner takes all
+    [(4, ("rollout.engine=sim", "learner.torch_threads=4")), (2, ("rollout.engine=hf", "learner.ranks=2"))],
 )
 def test_where_the_learner_takes_every_core_the_other_roles_still_yield_to_it(cores, overrides):
     plan = cores_plan(cores, *overrides)

@@ -8,7 +8,8 @@ rollout service gets `ROLLOUT_THREADS`, the CPU learner group the rest, shared b
 never below one each. Roles on an accelerator do their arithmetic there and get one host
 thread. A role started on its own (`sluice learner|rollout`, a Ray actor, a pod) takes the
 cores it may run on: `OMP_NUM_THREADS` when set (Ray sets it to the actor's `num_cpus`), else
-its CPU affinity. Why this split and these numbers: docs/architecture.md, "Cores and threads".
+its CPU affinity; where no rollout computes on the CPU, the learner leaves HOST_WORK_CORES to the
+shards and services. Why this split and these numbers: docs/architecture.md, "Cores and threads".
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ OTHERS_NICE = 10
 # A CPU rollout service decodes small batches one token at a time: more services scale its
 # throughput, intra-op threads barely do (measured: docs/architecture.md).
 ROLLOUT_THREADS = 1
+# Where no rollout computes on the CPU (sim, or generation on an accelerator), the cores a CPU
+# learner leaves to the shards and the services' own work (decode their replies, build and PUT
+# trajectories, admission): OpenMP threads stall whenever another process takes one of their
+# cores (measured: docs/architecture.md, "Cores and threads").
+HOST_WORK_CORES = 1
 
 
 def available_cores() -> int:
@@ -58,8 +64,8 @@ def plan_cores(cfg: RunConfig, specs: list[RoleSpec], cores: list[int]) -> dict[
     lower priority (NICE_ENV). So a rollout's decode never preempts a training step, yet takes
     the training cores whenever the step leaves them idle, as it waits for data on a
     generation-bound run (docs/architecture.md, "Cores and threads"). Where the learner's
-    threads would take every core (sleeping sim rollouts, a group of one-thread ranks filling
-    the host), nothing is pinned, but the other roles still yield."""
+    threads would take every core (a group of one-thread ranks filling the host, or explicit
+    thread counts), nothing is pinned, but the other roles still yield."""
     if not cfg.run.pin_cores or not _learner_on_cpu(cfg):
         return {}
     ranks = [s for s in specs if s.kind == "learner"]
@@ -118,7 +124,7 @@ def plan_threads(cfg: RunConfig, cores: int) -> RunConfig:
         rc.torch_threads = ROLLOUT_THREADS if cpu_rollouts else 1
     if lc.torch_threads == "auto":
         if _learner_on_cpu(cfg):
-            spare = cores - cpu_rollouts * int(rc.torch_threads)
+            spare = cores - (cpu_rollouts * int(rc.torch_threads) if cpu_rollouts else HOST_WORK_CORES)
             groups = len(lc.policies) * lc.ranks
             lc.torch_threads = max(1, spare // groups)
         else:
