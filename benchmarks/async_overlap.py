@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from learner_step import ROOT, measure, median_row
+from learner_step import ROOT, measure, median_row, medians
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -92,14 +92,6 @@ def overlap(s_per_step: float, gen_s: float, train_s: float) -> dict[str, float]
     ideal = sync / max(gen_s, train_s)
     speedup = sync / s_per_step
     return {"speedup": speedup, "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal}
-
-
-def medians(measurements: list[dict]) -> dict:
-    """The median of every number the measurements all hold."""
-    keys = [k for k, v in measurements[0].items() if isinstance(v, (int, float))]
-    return {
-        k: statistics.median(m[k] for m in measurements) for k in keys if all(k in m for m in measurements)
-    }
 
 
 def bracket(run: dict, trains: list[dict], gens: list[dict]) -> None:
@@ -273,7 +265,8 @@ class AsyncOverlapBench:
         for r in runs:
             bracket(r, trains[r["repeat"] : r["repeat"] + 2], gens[r["repeat"] : r["repeat"] + 2])
         rows = [median_row([r for r in runs if r["max_staleness"] == s]) for s in self.staleness]
-        result = self.result(median_row(trains), medians(gens), first_gen, gen_overrides, rows, load_start)
+        decode = first_gen.get("decode_step_s")
+        result = self.result(median_row(trains), medians(gens), decode, gen_overrides, rows, load_start)
         return {
             **result,
             "repeats": self.repeats,
@@ -344,7 +337,13 @@ class AsyncOverlapBench:
         return measure(self.workload.config, staleness, self.steps, self.warmup, self.work / name, overrides)
 
     def result(
-        self, train: dict, gen: dict, first_gen: dict, gen_overrides: list[str], rows: list[dict], load: tuple
+        self,
+        train: dict,
+        gen: dict,
+        decode_step_s: float | None,
+        gen_overrides: list[str],
+        rows: list[dict],
+        load: tuple,
     ) -> dict:
         """The JSON: per setting the medians of its runs' bracketed figures (`rows`); at the top
         the medians of every generation-only and training-only measurement."""
@@ -357,7 +356,7 @@ class AsyncOverlapBench:
             "steps": self.steps,
             "warmup": self.warmup,
             "batch_size": self.workload.load().learner.batch_size,
-            "generation": {**gen, "decode_step_s": first_gen.get("decode_step_s")},
+            "generation": {**gen, "decode_step_s": decode_step_s},
             "training": train,
             "gen_s": g,
             "train_s": t,

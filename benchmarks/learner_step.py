@@ -77,13 +77,17 @@ def measure(
     }
 
 
+def medians(measurements: list[dict]) -> dict:
+    """The median of every number the measurements all hold."""
+    keys = [k for k, v in measurements[0].items() if isinstance(v, (int, float))]
+    return {
+        k: statistics.median(m[k] for m in measurements) for k in keys if all(k in m for m in measurements)
+    }
+
+
 def median_row(runs: list[dict]) -> dict:
     """Median of every number over the repeats of one setting."""
-    out = {
-        k: statistics.median(r[k] for r in runs) for k, v in runs[0].items() if isinstance(v, (int, float))
-    }
-    out["max_staleness"] = runs[0]["max_staleness"]
-    return out
+    return {**medians(runs), "max_staleness": runs[0]["max_staleness"]}
 
 
 def main() -> None:
