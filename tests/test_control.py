@@ -258,7 +258,9 @@ def test_repeats_of_a_sequenced_request_are_answered_once(control, zmq_ctx):
         wait = {**admit, "seq": 2, "wait_ms": 5000}
         peer.sock.send_multipart([b"", msgspec.msgpack.encode({**wait, "id": 3})])
         peer.sock.send_multipart([b"", msgspec.msgpack.encode({**wait, "id": 4})])  # re-sent
-        wait_until(lambda: len(server._parked) == 1, 5, "one parked ADMIT")
+        wait_until(  # the re-sent copy has taken the original's place: one parked, and it is id 4
+            lambda: [p[1].id for p in list(server._parked)] == [4], 5, "only the re-sent ADMIT parked"
+        )
         server.set_published(1)  # quota for 8 more
         assert peer.sock.poll(5000)
         (_, header) = peer.sock.recv_multipart()
