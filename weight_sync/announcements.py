@@ -8,6 +8,8 @@ receivers write their epoch confirmations.
     ws/head                  next announcement sequence number (decimal)
     ws/transfer              ZeroMQ endpoint of the snapshot server (late joiners pull there)
     ws/control               control-plane endpoint receivers JOIN at (when not configured)
+    ws/notices               ZeroMQ endpoint of the learner's notices: a message after each
+                             write below that receivers wait for (weight_sync/notices.py)
     ws/ann/<seq>             Announcement (msgpack): epoch | weights | shutdown
     ws/ann/<seq>/sums        weights only: the announced checksum's words (xxh3-64 per
                              tensor, or wsum32 per piece), little-endian uint64 in layout
@@ -37,6 +39,7 @@ KEEP_ANNOUNCEMENTS = 64
 HEAD_KEY = "ws/head"
 TRANSFER_KEY = "ws/transfer"
 CONTROL_KEY = "ws/control"
+NOTICE_KEY = "ws/notices"
 
 
 def ann_key(seq: int, part: Literal["sums"] | None = None) -> str:

@@ -24,6 +24,7 @@ from sluice.weight_sync.announcements import (
     CONTROL_KEY,
     HEAD_KEY,
     KEEP_ANNOUNCEMENTS,
+    NOTICE_KEY,
     TRANSFER_KEY,
     Announcement,
     EpochAnnouncement,
@@ -57,6 +58,7 @@ from sluice.weight_sync.layout import (
 )
 from sluice.weight_sync.membership import Candidate, Membership
 from sluice.weight_sync.metrics import BroadcastMetrics, PublishStats
+from sluice.weight_sync.notices import NoticePublisher
 from sluice.weight_sync.pipeline import Piece, PiecePipeline, Producer, SendSums, flat_pieces
 from sluice.weight_sync.snapshot import Snapshot
 from sluice.weight_sync.source import ParamSource, source_for
@@ -130,6 +132,7 @@ class WeightBroadcaster:
         self.metrics = BroadcastMetrics(None)
         self.store: TCPStore | None = None
         self.transfer: SnapshotServer | None = None
+        self.notices: NoticePublisher | None = None  # wakes receivers after a store write
         self.group: BroadcastGroup | None = None
         self.snapshot: Snapshot | None = None
         self._layout: list[Bucket] | None = None
@@ -170,8 +173,10 @@ class WeightBroadcaster:
         self.store = open_store(self.cfg.master_addr, self.cfg.master_port, True, self.cfg.timeout_s)
         self.transfer = SnapshotServer(self.cfg.transfer, self.cfg.master_addr, ctx=self.zmq_ctx)
         self.transfer.start()
+        self.notices = NoticePublisher(self.zmq_ctx or zmq.Context.instance(), self.cfg.master_addr)
         self.store.set(HEAD_KEY, b"0")
         self.store.set(TRANSFER_KEY, self.transfer.endpoint.encode())
+        self.store.set(NOTICE_KEY, self.notices.endpoint.encode())
         if control_endpoint is not None:
             self.store.set(CONTROL_KEY, control_endpoint.encode())
         log.info(
@@ -197,6 +202,9 @@ class WeightBroadcaster:
         if self.transfer is not None:
             self.transfer.close()
             self.transfer = None
+        if self.notices is not None:
+            self.notices.close()
+            self.notices = None
         self.store = None
 
     def _live_store(self) -> TCPStore:
@@ -476,6 +484,7 @@ class WeightBroadcaster:
 
         def append(i: int, bucket_sums: list[int]) -> None:
             store.append(ann_key(seq, "sums"), encode_checksums(bucket_sums))
+            self._notify()
 
         return append
 
@@ -556,6 +565,7 @@ class WeightBroadcaster:
         self._members = ids
         backend = epoch_backend(self.cfg.backend, self.device.type, [c.device for c in committed])
         self._live_store().set(epoch_key(epoch, "commit"), encoder.encode(EpochCommit(epoch, ids, backend)))
+        self._notify()
         self.membership.commit_epoch(committed, dropped)
         if dropped:
             log.warning(
@@ -603,6 +613,7 @@ class WeightBroadcaster:
         epoch = self.group.epoch if self.group is not None else self.membership.epoch
         log.warning("weight sync: epoch %d abandoned: %s", epoch, error)
         self._live_store().set(epoch_key(epoch, "abort"), b"1")
+        self._notify()
         self._drop_group()
         self._broken = True
         self.membership.count("failures")
@@ -615,10 +626,16 @@ class WeightBroadcaster:
             self._abandoned_works = []
             self.group = None
 
+    def _notify(self) -> None:
+        """Wake the receivers: a key they wait on was just written (weight_sync/notices.py)."""
+        if self.notices is not None:
+            self.notices.notify()
+
     def _announce(self, seq: int, announcement: Announcement) -> None:
         store = self._live_store()
         store.set(ann_key(seq), encoder.encode(announcement))
         store.set(HEAD_KEY, str(seq + 1).encode())
+        self._notify()
         old = seq - KEEP_ANNOUNCEMENTS
         if old >= 0:
             store.delete_key(ann_key(old))

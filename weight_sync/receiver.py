@@ -27,6 +27,7 @@ from sluice.rpc import RpcError, RpcTimeout
 from sluice.weight_sync.announcements import (
     CONTROL_KEY,
     HEAD_KEY,
+    NOTICE_KEY,
     TRANSFER_KEY,
     EpochAnnouncement,
     ShutdownAnnouncement,
@@ -48,12 +49,12 @@ from sluice.weight_sync.group import (
     wait_work,
 )
 from sluice.weight_sync.layout import decode_checksums, piece_bounds, unpack_bucket
+from sluice.weight_sync.notices import NoticeListener
 from sluice.weight_sync.transfer_client import TransferError, pull_snapshot
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # how often waits look at stop() and the abort key
-_STORE_POLL_S = 0.005  # how often a wait for a store key asks the store
 
 
 @dataclass
@@ -116,6 +117,7 @@ class WeightReceiver:
         self._seq = 0
         self._last_pull = 0.0
         self._store: TCPStore | None = None
+        self._notices: NoticeListener | None = None  # the learner's store-change notices
         self._control: ControlClient | None = None
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
 
@@ -127,6 +129,12 @@ class WeightReceiver:
         if self._store is None:
             raise RuntimeError("weight receiver: not connected to the learner's store")
         return self._store
+
+    def _live_notices(self) -> NoticeListener:
+        """The listener on the learner's notices, made once the store names them."""
+        if self._notices is None:
+            raise RuntimeError("weight receiver: not listening to the learner's notices")
+        return self._notices
 
     def _live_control(self) -> ControlClient:
         """The control-plane client, made once the store names the control server."""
@@ -167,6 +175,8 @@ class WeightReceiver:
         shutdown = False
         try:
             self._store = open_store(self.cfg.master_addr, self.cfg.master_port, False, self.cfg.timeout_s)
+            ctx = self.zmq_ctx or zmq.Context.instance()
+            self._notices = NoticeListener(ctx, self._store.get(NOTICE_KEY).decode())
             endpoint = self.control_endpoint or self._store.get(CONTROL_KEY).decode()
             self._control = ControlClient(endpoint, timeout_s=min(10.0, self.cfg.timeout_s), ctx=self.zmq_ctx)
             shutdown = self._follow()
@@ -182,6 +192,8 @@ class WeightReceiver:
                 self._leave(shutdown)
             if self._control is not None:
                 self._control.close()
+            if self._notices is not None:
+                self._notices.close()
             with self._arrived:
                 self.finished.set()
                 self._arrived.notify_all()
@@ -374,17 +386,19 @@ class WeightReceiver:
         return self._live_store().get(key)
 
     def _wait_once(self, key: str) -> bool:
-        """Whether `key` appears within _POLL_S. Polls `check` (a store `wait` that times out
-        logs a C++ warning each time); DistNetworkError (learner gone) propagates. A member
-        bumps its heartbeat on every call."""
+        """Whether `key` appears within _POLL_S. Looks with `check` whenever the learner's
+        notices say the store changed (a store `wait` that times out logs a C++ warning each
+        time); DistNetworkError (learner gone) propagates. A member bumps its heartbeat on
+        every call."""
         deadline = time.monotonic() + _POLL_S
         store = self._live_store()
         if self._group is not None:  # idle members beat too: the learner may still be sending
             store.add(epoch_key(self._group.epoch, "beat", self._group.rank), 1)
         while not store.check([key]):
-            if time.monotonic() >= deadline:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
                 return False
-            time.sleep(_STORE_POLL_S)
+            self._live_notices().wait(remaining)
         return True
 
     def _wait_sums(self, seq: int, count: int, abandoned: Callable[[], bool]) -> list[int]:
@@ -408,7 +422,7 @@ class WeightReceiver:
                 raise CollectiveError(
                     f"checksums of announcement {seq} not written within {self.cfg.publish_timeout_s:.0f}s"
                 )
-            time.sleep(_STORE_POLL_S)
+            self._live_notices().wait(min(next_check, deadline) - now)
 
     def _abandoned(self, epoch: int, rank: int) -> Callable[[], bool]:
         """Polled while waiting in a collective: bump this member's heartbeat (the learner
