@@ -27,7 +27,7 @@ from prometheus_client import Counter, Gauge
 from sluice.buffer.client import BufferClient, PutAborted
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
-from sluice.launch.threads import apply_placement, place_helper_thread
+from sluice.launch.threads import apply_placement
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.rollout_svc.engines.base import WeightUpdate
 from sluice.rollout_svc.weights import WeightFeed
@@ -350,7 +350,6 @@ class ActorLoop:
 
     def _heartbeat_loop(self) -> None:
         """Liveness for each policy's control plane, independent of how long a batch takes."""
-        place_helper_thread()
         timeout_s = max(5.0, self.cfg.control.heartbeat_s)
         clients = {
             p: ControlClient(link.control.endpoint, timeout_s=timeout_s, ctx=self._zmq_ctx)

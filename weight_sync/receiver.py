@@ -23,7 +23,6 @@ import zmq
 from sluice.config.weight_sync import WeightSyncConfig
 from sluice.control.client import ControlClient
 from sluice.control.messages import SyncOutcome
-from sluice.launch.threads import place_helper_thread
 from sluice.rpc import RpcError, RpcTimeout
 from sluice.weight_sync.announcements import (
     CONTROL_KEY,
@@ -173,7 +172,6 @@ class WeightReceiver:
     # -- thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        place_helper_thread()  # `sluice run` on a CPU host: off the learner's training cores
         shutdown = False
         try:
             self._store = open_store(self.cfg.master_addr, self.cfg.master_port, False, self.cfg.timeout_s)

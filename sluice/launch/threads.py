@@ -117,15 +117,6 @@ def apply_placement() -> None:
                 pass
 
 
-def place_helper_thread() -> None:
-    """Called by a yielding role's helper thread as it starts (a rollout's weight receiver, its
-    heartbeat): onto the cores in HELPER_CPUS_ENV, off the training cores; the threads it starts
-    (gloo's) inherit them. Unset: left where it is."""
-    cpus = _cpu_set(HELPER_CPUS_ENV)
-    if cpus is not None:
-        _set_affinity(threading.get_native_id(), cpus)
-
-
 def role_threads(setting: int | str) -> int:
     """A role's thread count: `setting` itself, or for `auto` (a role started on its own)
     the cores it may use."""
