@@ -409,13 +409,11 @@ class ActorLoop:
         self.metrics_log.close()
 
 
-def run_actor(loop: ActorLoop, *, place: bool = True) -> int:
-    """Run a service to its end and close it, also when it fails. Placed (`sluice run` on a CPU
-    host: `apply_placement`, with this thread as the work loop) only from here: building it
-    (imports, the model) uses every core, as the learner's start-up does. `place=False`: the
-    caller placed the process (a pack of services, one thread each)."""
-    if place:
-        apply_placement()
+def run_actor(loop: ActorLoop) -> int:
+    """Run a service to its end and close it, also when it fails. Pinned (`sluice run` on a CPU
+    host) only from here: building it (imports, the model) uses every core, as the learner's
+    start-up does."""
+    apply_placement()
     try:
         return loop.run()
     finally:

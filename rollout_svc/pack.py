@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry, Metric
 
 from sluice.config.loader import ConfigError
 from sluice.config.run import RunConfig
-from sluice.launch.threads import apply_placement
 from sluice.metrics import PrometheusEndpoint
 from sluice.net import raise_fd_limit
 from sluice.rollout_svc.actor import ActorLoop, run_actor
@@ -121,11 +120,10 @@ def run_pack(cfg: RunConfig, first: int, count: int, stop: threading.Event) -> i
     log.info("pack of %d sim services (rollout-%d..%d), open-file limit %d",
              count, first, first + count - 1, limit)  # fmt: skip
     codes: dict[int, int] = {}
-    apply_placement()  # before the services' threads start: they inherit this thread's place
 
     def one(i: int, loop: ActorLoop) -> None:
         try:
-            codes[i] = run_actor(loop, place=False)
+            codes[i] = run_actor(loop)
         except Exception:  # one service's failure is its own; its log says why
             log.exception("rollout-%d failed", first + i)
             codes[i] = 1

@@ -27,11 +27,8 @@ if TYPE_CHECKING:
 CPUS_ENV = "SLUICE_CPUS"
 # ... the cores of a learner rank's training thread (`ComputePinning`) ...
 COMPUTE_CPUS_ENV = "SLUICE_COMPUTE_CPUS"
-# ... the nice value of a role that yields to the training threads ...
+# ... and the nice value of a role that yields to the training threads.
 NICE_ENV = "SLUICE_NICE"
-# ... and, for such a role, the cores of every thread but its work loop's (helpers: a rollout's
-# weight receiver and its gloo and ZeroMQ threads), kept off the training cores.
-HELPER_CPUS_ENV = "SLUICE_HELPER_CPUS"
 # Rollouts and shards beside a pinned learner: CFS weight 110 against the learner's 1024, so a
 # waking training thread preempts them at once, and they take its core whenever it is idle.
 OTHERS_NICE = 10
@@ -63,10 +60,9 @@ def plan_cores(cfg: RunConfig, specs: list[RoleSpec], cores: list[int]) -> dict[
     """The placement environment of each role of a host-filling run (`sluice run`), by role
     name; a role not named is left alone. With `run.pin_cores` and a CPU learner, each learner
     rank's training thread gets `learner.torch_threads` cores of its own (COMPUTE_CPUS_ENV) and
-    its helper threads the other cores (CPUS_ENV); every other role's work loop may run anywhere
-    but at a lower priority (NICE_ENV), and its helper threads on the learner's helper cores
-    (HELPER_CPUS_ENV). So a rollout's decode never preempts a training step, yet takes the
-    training cores whenever the step leaves them idle, as it waits for data on a
+    its helper threads the other cores (CPUS_ENV); every other role may run anywhere but at a
+    lower priority (NICE_ENV). So a rollout's decode never preempts a training step, yet takes
+    the training cores whenever the step leaves them idle, as it waits for data on a
     generation-bound run (docs/architecture.md, "Cores and threads"). Where the learner's
     threads would take every core (a group of one-thread ranks filling the host, or explicit
     thread counts), nothing is pinned, but the other roles still yield."""
@@ -80,8 +76,6 @@ def plan_cores(cfg: RunConfig, specs: list[RoleSpec], cores: list[int]) -> dict[
     if per_rank * len(ranks) >= len(cores):
         return plan
     shared = ",".join(map(str, cores[per_rank * len(ranks) :]))
-    for env in plan.values():
-        env[HELPER_CPUS_ENV] = shared
     for i, spec in enumerate(ranks):
         own = cores[i * per_rank : (i + 1) * per_rank]
         plan[spec.name] = {CPUS_ENV: shared, COMPUTE_CPUS_ENV: ",".join(map(str, own))}
@@ -96,18 +90,13 @@ def _cpu_set(name: str) -> set[int] | None:
 
 
 def apply_placement() -> None:
-    """This role's place from `plan_cores`, set by the launcher, called from its work loop's
-    thread: every thread it has (imports may have started some) on the cores in CPUS_ENV, every
-    thread but the caller on those in HELPER_CPUS_ENV, and all at the priority in NICE_ENV; the
-    threads it starts later inherit their creator's. Unset: left as they are."""
+    """This role's place from `plan_cores`, set by the launcher: every thread it has (imports
+    may have started some) on the cores in CPUS_ENV, and at the priority in NICE_ENV; the
+    threads it starts later inherit both. Unset: left as they are."""
     cpus = _cpu_set(CPUS_ENV)
     if cpus is not None:
         for tid in _thread_ids():
             _set_affinity(tid, cpus)
-    helper_cpus = _cpu_set(HELPER_CPUS_ENV)
-    if helper_cpus is not None:
-        for tid in _thread_ids() - {threading.get_native_id()}:
-            _set_affinity(tid, helper_cpus)
     nice = os.environ.get(NICE_ENV, "").strip()
     if nice:
         for tid in _thread_ids():
