@@ -64,8 +64,8 @@ class WeightSyncConfig(Section):
     awaits the members' reports and retries over a new epoch if a send fails, while the learner
     trains its next step; the next publish waits for that first. inline: the learner's own
     thread sends, overlapping packing with the wire. Needs `confirm: background`. Measured: 4-5
-    ms of a 35-45 ms step off the learner's critical path on the vs_trl workload, where the
-    members poll for the announcement (docs/architecture.md, "Cores and threads")."""
+    ms of a 35-45 ms step off the learner's critical path on the vs_trl workload, measured when
+    members still polled for the announcement (docs/architecture.md, "Cores and threads")."""
     pipeline_depth: int = Field(default=4, ge=1, le=256)
     """Pieces in flight at once: piece i+1 is cast while pieces up to i are on the wire. On
     an accelerator each in-flight piece holds its bucket's buffer on the device."""
