@@ -60,11 +60,13 @@ def cores_plan(cores: int, *overrides: str) -> dict[str, dict[str, str]]:
 def test_the_learner_trains_on_cores_of_its_own_and_the_rest_yield_to_it():
     plan = cores_plan(2, "rollout.engine=hf")
     assert plan["learner"] == {"SLUICE_CPUS": "1", "SLUICE_COMPUTE_CPUS": "0"}  # helpers on core 1
-    assert all(plan[r] == {"SLUICE_NICE": "10"} for r in ("buffer-0", "rollout-0", "rollout-1"))
+    assert plan["buffer-0"] == {"SLUICE_PRIORITY": "10"}  # serves: wakes promptly
+    assert all(plan[r] == {"SLUICE_PRIORITY": "idle"} for r in ("rollout-0", "rollout-1"))  # computes
     plan = cores_plan(8, "rollout.engine=hf")  # 6 learner threads, 2 cores for its helpers
     assert plan["learner"] == {"SLUICE_CPUS": "6,7", "SLUICE_COMPUTE_CPUS": "0,1,2,3,4,5"}
     plan = cores_plan(4, "rollout.engine=sim")  # sim: the core left is the shards' and helpers'
     assert plan["learner"] == {"SLUICE_CPUS": "3", "SLUICE_COMPUTE_CPUS": "0,1,2"}
+    assert all(plan[r] == {"SLUICE_PRIORITY": "10"} for r in ("buffer-0", "rollout-0", "rollout-1"))
 
 
 def test_nothing_is_placed_when_pinning_is_off():
@@ -78,7 +80,9 @@ def test_nothing_is_placed_when_pinning_is_off():
 def test_where_the_learner_takes_every_core_the_other_roles_still_yield_to_it(cores, overrides):
     plan = cores_plan(cores, *overrides)
     learners = [r for r in plan if r.startswith("learner")]
-    assert learners == [] and plan and all(env == {"SLUICE_NICE": "10"} for env in plan.values())
+    # nice 10, not SCHED_IDLE, even for rollouts that compute: with no core outside the
+    # learner's training threads, an idle-class service would get nothing for a whole step
+    assert learners == [] and plan and all(env == {"SLUICE_PRIORITY": "10"} for env in plan.values())
 
 
 PINNING_CHILD = """
@@ -112,18 +116,29 @@ def test_the_training_thread_is_pinned_and_its_helpers_are_swept_to_the_shared_c
     assert out.stdout.split("\n")[0] == "[0] [1] [0] [1]"
 
 
-def test_a_role_that_yields_runs_every_thread_at_the_lower_priority():
+@pytest.mark.parametrize(("priority", "expected"), [("10", "[10] [0] True"), ("idle", "[0] [5] True")])
+def test_a_role_that_yields_runs_every_thread_at_the_lower_priority(priority, expected):
     child = (
         "import os, threading\n"
         "from sluice.launch.threads import apply_placement\n"
         "stop = threading.Event(); t = threading.Thread(target=stop.wait); t.start()\n"
         "apply_placement()\n"
-        "tids = os.listdir('/proc/self/task')\n"
-        "print(sorted({os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in tids}), len(tids) >= 2)\n"
+        "after = threading.Thread(target=stop.wait); after.start()  # inherits the priority\n"
+        "tids = [int(tid) for tid in os.listdir('/proc/self/task')]\n"
+        "print(sorted({os.getpriority(os.PRIO_PROCESS, tid) for tid in tids}),\n"
+        "      sorted({os.sched_getscheduler(tid) for tid in tids}), len(tids) >= 3)\n"
         "stop.set()\n"
     )
-    env = {**os.environ, "SLUICE_NICE": "10"}
+    assert os.SCHED_IDLE == 5
+    env = {**os.environ, "SLUICE_PRIORITY": priority}
     env.pop("SLUICE_CPUS", None)
     out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[0] == "[10] True"
+    assert out.stdout.split("\n")[0] == expected
+
+
+def test_a_bad_priority_is_named():
+    env = {**os.environ, "SLUICE_PRIORITY": "low"}
+    child = "from sluice.launch.threads import apply_placement; apply_placement()"
+    out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "SLUICE_PRIORITY must be a nice value or 'idle', got 'low'" in out.stderr

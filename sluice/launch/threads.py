@@ -27,11 +27,20 @@ if TYPE_CHECKING:
 CPUS_ENV = "SLUICE_CPUS"
 # ... the cores of a learner rank's training thread (`ComputePinning`) ...
 COMPUTE_CPUS_ENV = "SLUICE_COMPUTE_CPUS"
-# ... and the nice value of a role that yields to the training threads.
-NICE_ENV = "SLUICE_NICE"
-# Rollouts and shards beside a pinned learner: CFS weight 110 against the learner's 1024, so a
-# waking training thread preempts them at once, and they take its core whenever it is idle.
-OTHERS_NICE = 10
+# ... and the priority of a role that yields to the training threads: a nice value, or IDLE.
+PRIORITY_ENV = "SLUICE_PRIORITY"
+IDLE = "idle"
+# Rollout services that compute on the CPU beside a pinned learner run as SCHED_IDLE (CFS weight
+# 3 against the learner's 1024): they fill idle time and almost never take the training core
+# from a runnable training thread. Nice 10 (weight 110) still took ~10% of it: 3x the training
+# thread's preemptions (measured: docs/architecture.md, "Cores and threads"). Only where the
+# learner leaves cores outside its training threads: on cores a busy learner fills, a SCHED_IDLE
+# service would get nothing for a whole step (its heartbeats too), so there it runs at nice 10.
+COMPUTING_PRIORITY = IDLE
+# Shards and services that only sleep (sim, generation on an accelerator) serve requests and
+# wake often for little work: nice 10 lets a waking one preempt a busy core's lower-weight
+# task soon, where SCHED_IDLE (or SCHED_BATCH) would wait for it.
+SERVING_PRIORITY = "10"
 
 # A CPU rollout service decodes small batches one token at a time: more services scale its
 # throughput, intra-op threads barely do (measured: docs/architecture.md).
@@ -61,19 +70,27 @@ def plan_cores(cfg: RunConfig, specs: list[RoleSpec], cores: list[int]) -> dict[
     name; a role not named is left alone. With `run.pin_cores` and a CPU learner, each learner
     rank's training thread gets `learner.torch_threads` cores of its own (COMPUTE_CPUS_ENV) and
     its helper threads the other cores (CPUS_ENV); every other role may run anywhere but at a
-    lower priority (NICE_ENV). So a rollout's decode never preempts a training step, yet takes
-    the training cores whenever the step leaves them idle, as it waits for data on a
-    generation-bound run (docs/architecture.md, "Cores and threads"). Where the learner's
-    threads would take every core (a group of one-thread ranks filling the host, or explicit
-    thread counts), nothing is pinned, but the other roles still yield."""
+    lower priority (PRIORITY_ENV: SCHED_IDLE for rollouts that compute on the CPU, nice 10 for
+    shards and services that only sleep, and for every role where the learner fills the host).
+    So a rollout's decode never preempts a training step, yet takes the training cores whenever
+    the step leaves them idle, as it waits for data on a generation-bound run
+    (docs/architecture.md, "Cores and threads"). Where the learner's threads would take every
+    core (a group of one-thread ranks filling the host, or explicit thread counts), nothing is
+    pinned, but the other roles still yield."""
     if not cfg.run.pin_cores or not _learner_on_cpu(cfg):
         return {}
     ranks = [s for s in specs if s.kind == "learner"]
     per_rank = int(cfg.learner.torch_threads) if cfg.learner.torch_threads != "auto" else 1
     if len(ranks) == len(specs):
         return {}
-    plan = {spec.name: {NICE_ENV: str(OTHERS_NICE)} for spec in specs if spec.kind != "learner"}
-    if per_rank * len(ranks) >= len(cores):
+    fills = per_rank * len(ranks) >= len(cores)
+    computing = COMPUTING_PRIORITY if _rollout_on_cpu(cfg) and not fills else SERVING_PRIORITY
+    plan = {
+        spec.name: {PRIORITY_ENV: computing if spec.kind == "rollout" else SERVING_PRIORITY}
+        for spec in specs
+        if spec.kind != "learner"
+    }
+    if fills:
         return plan
     shared = ",".join(map(str, cores[per_rank * len(ranks) :]))
     for i, spec in enumerate(ranks):
@@ -91,19 +108,26 @@ def _cpu_set(name: str) -> set[int] | None:
 
 def apply_placement() -> None:
     """This role's place from `plan_cores`, set by the launcher: every thread it has (imports
-    may have started some) on the cores in CPUS_ENV, and at the priority in NICE_ENV; the
-    threads it starts later inherit both. Unset: left as they are."""
+    may have started some) on the cores in CPUS_ENV, and at the priority in PRIORITY_ENV (a nice
+    value, or IDLE for SCHED_IDLE); the threads it starts later inherit both. Unset: left as
+    they are."""
     cpus = _cpu_set(CPUS_ENV)
     if cpus is not None:
         for tid in _thread_ids():
             _set_affinity(tid, cpus)
-    nice = os.environ.get(NICE_ENV, "").strip()
-    if nice:
-        for tid in _thread_ids():
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, int(nice))
-            except ProcessLookupError:  # the thread ended meanwhile
-                pass
+    priority = os.environ.get(PRIORITY_ENV, "").strip()
+    if not priority:
+        return
+    if priority != IDLE and not priority.lstrip("-").isdigit():
+        raise ValueError(f"{PRIORITY_ENV} must be a nice value or {IDLE!r}, got {priority!r}")
+    for tid in _thread_ids():
+        try:
+            if priority == IDLE:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.setpriority(os.PRIO_PROCESS, tid, int(priority))
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 def role_threads(setting: int | str) -> int:
