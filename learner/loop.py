@@ -27,6 +27,7 @@ from sluice.config.policy import checkpoint_root, policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer, samples_by_service
+from sluice.launch.heap import freeze_startup_heap
 from sluice.launch.threads import ComputePinning, role_threads
 from sluice.learner.acks import BackgroundAcks
 from sluice.learner.balance import assign_to_ranks
@@ -184,6 +185,7 @@ class Learner:
 
     def run(self) -> int:
         lc, ws = self.cfg.learner, self.cfg.weight_sync
+        freeze_startup_heap()  # built: before the first publish lets the rollouts start
         self.start()
         self.publish_weights()
         self.pinning.pin(role_threads(lc.torch_threads))  # the helpers have started by now

@@ -27,6 +27,7 @@ from prometheus_client import Counter, Gauge
 from sluice.buffer.client import BufferClient, PutAborted
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
+from sluice.launch.heap import freeze_startup_heap
 from sluice.launch.threads import apply_placement
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.rollout_svc.engines.base import WeightUpdate
@@ -414,6 +415,7 @@ def run_actor(loop: ActorLoop) -> int:
     host) only from here: building it (imports, the model) uses every core, as the learner's
     start-up does."""
     apply_placement()
+    freeze_startup_heap()
     try:
         return loop.run()
     finally:
