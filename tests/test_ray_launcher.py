@@ -16,6 +16,7 @@ import pytest
 from helpers.runs import HF_ENGINE
 from helpers.wait import running, wait_until
 
+from sluice.launch.ray_logs import ROLE_ENDED
 from sluice.metrics import read_jsonl
 
 pytest.importorskip("ray")
@@ -96,8 +97,11 @@ def test_ray_run_trains_with_every_role_a_separate_ray_process(tmp_path, process
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["buffer"]["endpoints"][0].startswith(f"tcp://{placed['buffer-0']['ip']}:")
     assert cfg["control"]["host"] == cfg["weight_sync"]["master_addr"] == placed["learner"]["ip"]
-    # logs streamed to the driver with the role as prefix, and kept per role in the run dir
-    assert "(sluice-learner pid=" in output and "(sluice-rollout-1 pid=" in output
+    # logs streamed to the driver with the role as prefix, up to each role's last line (the
+    # driver waits for it before it disconnects), and kept per role in the run dir
+    assert "(sluice-learner pid=" in output and "(sluice-rollout-1 pid=" in output, output
+    for role in ROLES:
+        assert f"{ROLE_ENDED} {role} (exit 0)" in output, output
     assert all((run_dir / "logs" / f"{role}.log").stat().st_size > 0 for role in ROLES)
     assert (run_dir / "plots" / "reward.png").is_file()
     # Ray (its processes are the driver's descendants, the role actors among them) is gone

@@ -27,6 +27,7 @@ from sluice.config.run import RunConfig
 from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
 from sluice.launch.plan import RoleSpec, find_spec, learner_restartable, plan_roles, run_role_spec, what_next
 from sluice.launch.progress import training_progress
+from sluice.launch.ray_logs import RoleEndWatch, write_role_ended
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USER_CODE, quiet_libraries, restartable
 from sluice.metrics import JsonlLog
 from sluice.modeling.policy import materialize_policy_dir
@@ -39,6 +40,8 @@ ROLE_ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
 }
+LOG_DRAIN_S = 5.0  # how long shutdown waits for the roles' last lines to reach the driver
+log = logging.getLogger(__name__)
 
 
 def shared_log(cfg: RunConfig) -> bool:
@@ -91,14 +94,20 @@ class RoleActor:
         cfg = config_from_dict(config)
         spec = find_spec(cfg, self.spec.kind, self.spec.index, self.spec.policy or None)
         os.environ.update(spec.env)
+        outcome = "failed"
         try:
-            return run_role_spec(cfg, spec, self.stop)
+            code = run_role_spec(cfg, spec, self.stop)
+            outcome = f"exit {code}"
+            return code
         except UserCodeError:
             logging.getLogger(self.name).exception("%s failed in user code (not restarted)", self.name)
+            outcome = f"exit {EXIT_USER_CODE}"
             return EXIT_USER_CODE
         except Exception:
             logging.getLogger(self.name).exception("%s failed", self.name)
             raise
+        finally:
+            write_role_ended(self.name, outcome)  # the driver waits for this line (ray_logs.py)
 
     def halt(self) -> None:
         self.stop.set()
@@ -115,6 +124,7 @@ class Placed:
     restarts: int = 0
     node: dict | None = None
     exit_code: int | None = None  # what its `run` returned, once it has
+    died: bool = False  # its process died (so it wrote no last line)
 
     @property
     def name(self) -> str:
@@ -159,6 +169,7 @@ class RayLauncher:
         self.events: JsonlLog | None = None
         self.config: dict[str, Any] = {}
         self.actor_class: Any = None
+        self.ends = RoleEndWatch()
 
     # -- cluster and placement -----------------------------------------------------------------
 
@@ -176,6 +187,7 @@ class RayLauncher:
         if rc.address is None:
             kwargs |= {"num_cpus": self._local_cpus(need["CPU"]), "include_dashboard": False}
         ray.init(address=rc.address, log_to_driver=True, **kwargs)
+        self.ends.attach()
         self.actor_class = ray.remote(RoleActor)
         have = ray.cluster_resources()
         short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) + 1e-9 < v}
@@ -240,6 +252,7 @@ class RayLauncher:
                     placement_group=pg, placement_group_bundle_index=p.bundle
                 ),
             ).remote(p.spec, str(self.run_dir))
+            p.died = False
         nodes = ray.get([p.actor.node.remote() for p in placed], timeout=self.cfg.ray.ready_timeout_s)
         for p, node in zip(placed, nodes):
             p.node = node
@@ -349,6 +362,7 @@ class RayLauncher:
             rc, error = ray.get(ref), None
         except RayActorError as e:
             rc, error = None, f"process died: {str(e).splitlines()[0]}"
+            p.died = True
         except RayTaskError as e:
             rc, error = None, f"failed: {str(e).strip().splitlines()[-1]}"
         self._record("exit", p, rc=rc, error=error)
@@ -443,6 +457,7 @@ class RayLauncher:
         pending = [p.ref for p in order if p.ref is not None]
         if pending:
             ray.wait(pending, num_returns=len(pending), timeout=grace_s)
+        self._drain_role_logs(order)
         for p in order:
             if p.actor is not None:
                 ray.kill(p.actor, no_restart=True)
@@ -452,6 +467,34 @@ class RayLauncher:
             self.events.close()
         # Stops the local instance if this driver started one; otherwise only disconnects.
         ray.shutdown()
+        self.ends.detach()
+
+    def _drain_role_logs(self, placed: list[Placed]) -> None:
+        """Waits, at most LOG_DRAIN_S, until the last line of every role whose `run` has ended
+        (and whose process lived to write it) has been forwarded to this driver."""
+        pids = {p.node["pid"] for p in placed if p.node is not None and self._wrote_last_line(p)}
+        missing = self.ends.wait_for(pids, LOG_DRAIN_S)
+        if missing:
+            log.debug(
+                "ray: the last lines of pids %s did not reach the driver in %.0fs", missing, LOG_DRAIN_S
+            )
+
+    @staticmethod
+    def _wrote_last_line(p: Placed) -> bool:
+        import ray
+        from ray.exceptions import RayActorError
+
+        if p.ref is None:
+            return p.actor is not None and not p.died
+        if not ray.wait([p.ref], timeout=0)[0]:
+            return False  # still running: halt did not reach it within the grace
+        try:
+            ray.get(p.ref, timeout=0)
+        except RayActorError:
+            return False
+        except Exception:  # its `run` raised: the line was written on the way out
+            return True
+        return True
 
     def run(self) -> int:
         try:
