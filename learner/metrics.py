@@ -22,6 +22,7 @@ from prometheus_client import Gauge, Histogram
 from sluice.config.policy import learner_role, role_suffix
 from sluice.config.run import RunConfig
 from sluice.metrics import JsonlLog, PrometheusEndpoint, read_jsonl, record_endpoint
+from sluice.tb_events import EventWriter
 
 # Exported as Prometheus gauges sluice_learner_<name>.
 PROM_GAUGES = {
@@ -67,10 +68,8 @@ class LearnerMetrics:
                 _truncate_after(path, resumed_at)
             self.log = JsonlLog(path)
             if cfg.metrics.tensorboard:
-                from torch.utils.tensorboard import SummaryWriter
-
                 purge = resumed_at + 1 if resumed_at is not None else None
-                self.tb = SummaryWriter(log_dir=str(cfg.run_dir / f"tb{suffix}"), purge_step=purge)
+                self.tb = EventWriter(cfg.run_dir / f"tb{suffix}", purge_step=purge)
         self._records: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="learner-metrics", daemon=True)
         if rank == 0:
@@ -115,14 +114,9 @@ class LearnerMetrics:
         for lag, count in enumerate(record.get("staleness_hist", [])):
             scalars[f"staleness/lag_{lag}"] = count
         # One event with every scalar of the step, not one per scalar: this thread shares the
-        # GIL with the training thread, and 35 add_scalar calls cost ~1 ms of Python a step
-        # (tensorboard's record CRC is pure Python) against ~0.1 ms (docs/architecture.md).
-        from tensorboard.compat.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]
-
-        values = [Summary.Value(tag=tag, simple_value=float(v)) for tag, v in scalars.items()]
-        writer = self.tb.file_writer
-        assert writer is not None, "SummaryWriter opens its file writer when it is made"
-        writer.add_summary(Summary(value=values), version)
+        # GIL with the training thread (35 add_scalar calls cost ~1 ms of Python a step against
+        # ~0.1 ms), and a native CRC (sluice/tb_events.py; docs/architecture.md).
+        self.tb.add_scalars(scalars, version)
 
     def flush(self) -> None:
         """Until every step recorded so far is written. Called before a checkpoint: a learner

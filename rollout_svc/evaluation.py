@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Gauge
@@ -24,6 +23,7 @@ from sluice.metrics import JsonlLog
 from sluice.rollout_svc.engines.base import SamplingParams
 from sluice.rollout_svc.episodes import GroupRequest, Sample
 from sluice.rollout_svc.tasks.base import Prompt, Task
+from sluice.tb_events import EventWriter
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Evaluator:
         self._gauge = Gauge(
             "sluice_eval_reward", "Held-out reward of the last evaluation", ["mode"], registry=registry
         )
-        self._tb: Any = None
+        self._tb: EventWriter | None = None
 
     def due(self, version: int) -> bool:
         """True once per block of `every` versions (versions a service skips still count)."""
@@ -93,12 +93,8 @@ class Evaluator:
         if not self.cfg.metrics.tensorboard:
             return
         if self._tb is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.cfg.run_dir / "tb" / "eval"))
-        for key, value in record.items():
-            if key.endswith("_reward"):
-                self._tb.add_scalar(f"eval/{key}", value, version)
+            self._tb = EventWriter(self.cfg.run_dir / "tb" / "eval")
+        self._tb.add_scalars({f"eval/{k}": v for k, v in record.items() if k.endswith("_reward")}, version)
         self._tb.flush()
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ and a learner step on a token the current filters drop (finite loss, gradients a
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from helpers.engines import max_logprob_error, stop_reasons, two_versions
 from sluice.config import load_config
 from sluice.config.loader import ConfigError
 from sluice.config.model import ModelConfig
-from sluice.learner.batch import collate
+from sluice.learner.batch import collate, token_logprobs
 from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
 from sluice.modeling import load_policy, materialize_model_dir
@@ -268,3 +269,38 @@ def test_sampling_knobs_reach_the_engines_and_the_learner(tmp_path):
     assert isinstance(objective, TokenObjective) and objective.sampling == SamplingTransform(
         1.0, 5, 0.9, 0.05
     )
+
+
+class _Recording(torch.nn.Module):
+    """A stand-in LM that records the keyword arguments of each forward."""
+
+    def __init__(self, config: SimpleNamespace | None) -> None:
+        super().__init__()
+        if config is not None:
+            self.config = config
+        self.head = torch.nn.Embedding(16, 16)
+        self.calls: list[dict] = []
+
+    def forward(self, input_ids, attention_mask, **kwargs):
+        self.calls.append(kwargs)
+        return SimpleNamespace(logits=self.head(input_ids))
+
+
+class _Wrapper(torch.nn.Module):
+    """Holds the model as `module` and delegates, as DDP and DeepSpeed's engine do."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+@pytest.mark.parametrize("has_switch", [True, False], ids=["transformers-config", "no-config"])
+def test_the_learners_forward_builds_no_kv_cache_where_the_model_can_say_so(has_switch):
+    model = _Recording(SimpleNamespace(use_cache=True) if has_switch else None)
+    batch = collate(_trajectories(), pad_id=0)
+    for m in (model, _Wrapper(model)):
+        assert torch.isfinite(token_logprobs(m, batch, SamplingTransform())).all()
+    assert model.calls == ([{"use_cache": False}] if has_switch else [{}]) * 2

@@ -3,6 +3,8 @@ in one go, whatever the piece size (tensors spanning pieces, empty tensors, mixe
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -66,22 +68,29 @@ def test_a_piece_with_a_wrong_tensor_is_an_error():
         pack_bucket(bucket, tensors, empty_bucket(bucket))
 
 
-def test_checksum_worker_reports_every_bucket_in_order():
+@pytest.mark.parametrize("mark_last", [False, True], ids=["pool-only", "last-piece-inline"])
+def test_checksum_worker_reports_every_bucket_in_order(mark_last):
     tensors = make_tensors()
     specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
     layout = plan_buckets(specs, 300)
     assert len(layout) >= 3
-    reported: list[int] = []
-    worker = ChecksumWorker(lambda i, sums: reported.append(i))
+    reported: list[tuple[int, str]] = []
+    worker = ChecksumWorker(lambda i, sums: reported.append((i, threading.current_thread().name)))
     flats = []
     for i, bucket in enumerate(layout):
         flat = pack_bucket(bucket, tensors, empty_bucket(bucket))
         flats.append(flat)
-        for lo, hi in piece_bounds(bucket, 64):
-            worker.add(i, bucket, flat[lo:hi], lo)
+        bounds = piece_bounds(bucket, 64)
+        for k, (lo, hi) in enumerate(bounds):
+            last = mark_last and i == len(layout) - 1 and k == len(bounds) - 1
+            worker.add(i, bucket, flat[lo:hi], lo, last=last)
+    assert len(reported) < len(layout) or not mark_last  # the last piece waits for finish()
     sums = worker.finish()
-    assert reported == list(range(len(layout)))
+    assert [i for i, _ in reported] == list(range(len(layout)))
     assert sums == [slot_checksums(b, f) for b, f in zip(layout, flats)]
+    # every bucket hashed in the pool, except the last one's final piece where it was marked
+    caller = threading.current_thread().name
+    assert [name == caller for _, name in reported] == [False] * (len(layout) - 1) + [mark_last]
 
 
 def test_checksum_worker_raises_what_the_callback_raised():

@@ -74,7 +74,9 @@ class ChecksumWorker:
     appends the sums to the store there). `finish()` waits and returns every bucket's sums;
     it raises what a hash or `on_bucket` raised. `pool`: a one-thread executor kept across
     publishes by its owner (starting a thread per publish was the largest fixed cost of
-    publishing a tiny model); None: a pool of its own, shut down by `finish()`."""
+    publishing a tiny model); None: a pool of its own, shut down by `finish()`. A send's last
+    piece is hashed by `finish()` in the caller's thread: no packing follows for its hash to
+    overlap with, and waking the pool for it cost more than the hash (docs/architecture.md)."""
 
     def __init__(
         self,
@@ -87,11 +89,16 @@ class ChecksumWorker:
         self._futures: list[Future] = []
         self._hashers: dict[int, SlotHasher] = {}
         self._sums: dict[int, list[int]] = {}
+        self._last: tuple[int, SlotHasher, torch.Tensor, int] | None = None
 
-    def add(self, i: int, bucket: Bucket, piece: torch.Tensor, lo: int) -> None:
-        """Piece `[lo, lo + piece.numel())` of bucket `i` (a host tensor not written any more)."""
+    def add(self, i: int, bucket: Bucket, piece: torch.Tensor, lo: int, last: bool = False) -> None:
+        """Piece `[lo, lo + piece.numel())` of bucket `i` (a host tensor not written any more);
+        `last`: the send's final piece (hashed by `finish()`, after every earlier one)."""
         hasher = self._hashers.setdefault(i, SlotHasher(bucket))
-        self._futures.append(self._pool.submit(self._hash, i, hasher, piece, lo))
+        if last:
+            self._last = (i, hasher, piece, lo)
+        else:
+            self._futures.append(self._pool.submit(self._hash, i, hasher, piece, lo))
 
     def _hash(self, i: int, hasher: SlotHasher, piece: torch.Tensor, lo: int) -> None:
         hasher.update(piece, lo)
@@ -104,6 +111,8 @@ class ChecksumWorker:
         try:
             for future in self._futures:
                 future.result()
+            if self._last is not None:
+                self._hash(*self._last)
         finally:
             if self._own_pool:
                 self._pool.shutdown(wait=True)

@@ -66,12 +66,13 @@ class SendSums:
         if self._known is not None and self._append is not None and not self.wire.per_piece:
             self._append(i, self._known[i])  # known already: before the data
 
-    def add(self, i: int, bucket: Bucket, piece: Piece, lo: int) -> None:
+    def add(self, i: int, bucket: Bucket, piece: Piece, lo: int, last: bool = False) -> None:
+        """`last`: the send's final piece (nothing is packed after it)."""
         _, host, wsum = piece
         if self._worker is not None:
             if host is None:
                 raise ValueError(f"bucket {i}: a piece without its host copy, and no checksums known")
-            self._worker.add(i, bucket, host, lo)  # hashed while the next piece is packed
+            self._worker.add(i, bucket, host, lo, last)  # hashed while the next piece is packed
         if wsum is not None:
             self._words.append(wsum)
 
@@ -116,9 +117,9 @@ class PiecePipeline:
                 bounds = piece_bounds(bucket, piece_bytes)
                 sums.begin(i)
                 pieces = produce(i, bucket, bounds, sums.wire.per_piece)
-                for (lo, _), piece in zip(bounds, pieces, strict=True):
+                for k, ((lo, _), piece) in enumerate(zip(bounds, pieces, strict=True)):
                     self._start(piece[0])
-                    sums.add(i, bucket, piece, lo)
+                    sums.add(i, bucket, piece, lo, last=i == len(layout) - 1 and k == len(bounds) - 1)
                     self._drain(keep=self.depth - 1)
                 sums.end(i)
         finally:

@@ -42,19 +42,38 @@ class ParamSource(ABC):
 
 
 class ModuleSource(ParamSource):
-    """Parameters are looked up at every call: a learner that replaces them (loading a
-    checkpoint with assign=True) publishes the new ones."""
+    """Parameters are read from their modules at every call: a learner that replaces them
+    (loading a checkpoint with assign=True) publishes the new ones. Which module holds each
+    name is listed once: `named_parameters()` walks the module tree with generators, ~0.2 ms
+    a call on the quickstart's model, twice a publish (docs/architecture.md)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = unwrap(module)
+        self._slots = [
+            (f"{prefix}.{attr}" if prefix else attr, owner, attr)
+            for prefix, owner in self.module.named_modules()
+            for attr in owner._parameters
+        ]
+
+    def _named(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """`named_parameters()`, from the listed slots: a tensor shared by two names (tied
+        weights) under its first name only, and an unset slot left out."""
+        seen: set[int] = set()
+        out = []
+        for name, owner, attr in self._slots:
+            p = owner._parameters.get(attr)
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((name, p))
+        return out
 
     def specs(self) -> list[TensorSpec]:
         # A DTensor's .shape is its global shape: reading it gathers nothing.
-        return [TensorSpec(n, tuple(p.shape), p.dtype) for n, p in self.module.named_parameters()]
+        return [TensorSpec(n, tuple(p.shape), p.dtype) for n, p in self._named()]
 
     @contextmanager
     def gather(self, names: Sequence[str]) -> Iterator[dict[str, torch.Tensor]]:
-        params = dict(self.module.named_parameters())
+        params = dict(self._named())
         with torch.no_grad():
             yield {n: _full(params[n]) for n in names}
 
