@@ -38,8 +38,12 @@ class EventWriter:
 
     def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
+        # TensorBoard reads a directory's files in name order: seconds, then nanoseconds (a
+        # resumed writer's file sorts after the one it purges, also within the same second)
+        now = time.time_ns()
+        stamp = f"{now // 10**9}.{now % 10**9:09d}"
         suffix = f"{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        self.path = log_dir / f"events.out.tfevents.{int(time.time())}.{suffix}"
+        self.path = log_dir / f"events.out.tfevents.{stamp}.{suffix}"
         self._file = self.path.open("ab")
         self._flushed = time.monotonic()
         self.add_event(Event(wall_time=time.time(), file_version="brain.Event:2"))

@@ -38,7 +38,9 @@ def test_a_resumed_writer_purges_the_steps_it_does_again(tmp_path):
     for step in range(1, 6):
         first.add_scalars({"learner/loss": float(step)}, step)
     first.close()
-    resumed = EventWriter(tmp_path, purge_step=3)  # checkpoint at step 2: steps 3.. run again
+    # checkpoint at step 2: steps 3.. run again (a new file, within the same second here)
+    resumed = EventWriter(tmp_path, purge_step=3)
+    assert sorted(tmp_path.iterdir()) == [first.path, resumed.path]
     for step in (3, 4):
         resumed.add_scalars({"learner/loss": 10.0 * step}, step)
     resumed.close()
