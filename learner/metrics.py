@@ -113,9 +113,9 @@ class LearnerMetrics:
         }
         for lag, count in enumerate(record.get("staleness_hist", [])):
             scalars[f"staleness/lag_{lag}"] = count
-        # One event with every scalar of the step, not one per scalar: this thread shares the
-        # GIL with the training thread (35 add_scalar calls cost ~1 ms of Python a step against
-        # ~0.1 ms), and a native CRC (sluice/tb_events.py; docs/architecture.md).
+        # One event with every scalar of the step, framed with a native CRC: this thread shares
+        # the GIL with the training thread, and 35 add_scalar calls cost ~1 ms of Python a step
+        # against ~0.1 ms (sluice/tb_events.py; docs/architecture.md).
         self.tb.add_scalars(scalars, version)
 
     def flush(self) -> None:

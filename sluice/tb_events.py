@@ -2,10 +2,11 @@
 
 tensorboard's own writer (which torch's `SummaryWriter` wraps) frames every record with a
 CRC-32C computed in pure Python, ~0.2 ms per KiB, in a thread that holds the GIL beside the
-training thread: a vs_trl learner step was ~5% slower with TensorBoard on than off. This
+training thread: a vs_trl learner step was ~6% slower with TensorBoard on than off. This
 writer frames records the same way (TFRecord: length, masked CRC of the length, data, masked
 CRC of the data) with google-crc32c, Google's C implementation, and the protos tensorboard
-ships; TensorBoard reads the files as its own. docs/architecture.md ("Metrics") has the rest.
+ships; TensorBoard reads the files as its own. docs/architecture.md ("Observability", and
+"Cores and threads" for the measurement) has the rest.
 """
 
 from __future__ import annotations

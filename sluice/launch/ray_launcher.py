@@ -446,7 +446,8 @@ class RayLauncher:
     def shutdown(self, grace_s: float = 15.0) -> None:
         import ray
 
-        if not ray.is_initialized():
+        if not ray.is_initialized():  # (connect refused the plan and disconnected)
+            self.ends.detach()
             if self.events is not None:
                 self.events.close()
             return
@@ -492,8 +493,8 @@ class RayLauncher:
             ray.get(p.ref, timeout=0)
         except RayActorError:
             return False
-        except Exception:  # its `run` raised: the line was written on the way out
-            return True
+        except Exception:
+            pass  # its `run` raised: the line was written on the way out
         return True
 
     def run(self) -> int:
