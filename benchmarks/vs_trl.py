@@ -376,7 +376,7 @@ def sluice_result(run_dir: Path, t_launch: float) -> dict:
     until = clock0 + summary["time_s"]
     generated = sum(b["tokens"] for b in batches if b["time"] <= until)
     phases = {
-        "learner": median_of(steps, ("compute_s", "wait_s", "sync_s", "step_s")),
+        "learner": median_of(steps, ("compute_s", "compute_cpu_s", "wait_s", "sync_s", "step_s")),
         "rollout": median_of(batches, ("generate_s", "pause_s", "put_s")),
     }
     return {
@@ -827,6 +827,7 @@ def runs_table(runs: list[dict]) -> Table:
 PHASE_COLUMNS = (
     ("generate", ("rollout", "generate_s"), ("trainer", "generate_s")),
     ("train", ("learner", "compute_s"), ("trainer", "train_s")),
+    ("train on-CPU", ("learner", "compute_cpu_s"), None),
     ("optimizer", None, ("trainer", "optim_s")),
     ("step", ("learner", "step_s"), ("trainer", "step_s")),
     ("learner wait", ("learner", "wait_s"), None),
@@ -839,7 +840,9 @@ PHASE_COLUMNS = (
 def phases_table(runs: list[dict]) -> Table:
     table = Table(
         title="Per-phase medians (s). generate: one batch of 64 (TRL: with reward and advantages); "
-        "train: Sluice forward+backward+AdamW, TRL forward+backward; optimizer: TRL clip+AdamW+zero_grad"
+        "train: Sluice forward+backward+AdamW, TRL forward+backward; train on-CPU: the CPU time of "
+        "Sluice's training thread in it (the rest it waited for the GIL or a core); "
+        "optimizer: TRL clip+AdamW+zero_grad"
     )
     for col in ("system", "task", "seed", *(c[0] for c in PHASE_COLUMNS)):
         table.add_column(col)

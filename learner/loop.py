@@ -195,9 +195,9 @@ class Learner:
             step = self.receive_batch()
             if step is None:
                 break
-            t1 = time.perf_counter()
+            t1, cpu1 = time.perf_counter(), time.thread_time()
             stats = self.trainer.train_step(step.local) if step.local is not None else {}
-            t2 = time.perf_counter()
+            t2, cpu2 = time.perf_counter(), time.thread_time()
             if step.local is not None:
                 self.version += 1
             self.consumed(step)
@@ -214,6 +214,7 @@ class Learner:
                     stats,
                     wait_s=t1 - t0,
                     compute_s=t2 - t1,
+                    compute_cpu_s=cpu2 - cpu1,
                     sync_s=sync_s,
                     ckpt_s=t4 - t3,
                     step_s=t4 - t0,

@@ -41,6 +41,7 @@ PROM_GAUGES = {
     "wait_frac": "Fraction of the last step spent waiting for data",
     "wait_s": "Seconds of the last step spent waiting for data",
     "compute_s": "Seconds of the last step spent computing",
+    "compute_cpu_s": "CPU seconds of the training thread in compute_s (rest: waiting for the GIL or a core)",
     "sync_s": "Seconds of the last step spent publishing weights",
     "episode_return_mean": "Mean return of the last return_window episodes (classic RL)",
     "total_dropped_stale": "Samples dropped by the buffer for staleness (total)",

@@ -113,7 +113,7 @@ def test_quick_sluice_and_bound(tmp_path):
     (run,) = data["runs"]
     assert run["system"] == "sluice"
     check_run(run)
-    assert set(run["phases"]["learner"]) == {"compute_s", "wait_s", "sync_s", "step_s"}
+    assert set(run["phases"]["learner"]) == {"compute_s", "compute_cpu_s", "wait_s", "sync_s", "step_s"}
     assert set(run["phases"]["rollout"]) == {"generate_s", "pause_s", "put_s"}
     bound = data["bound"]
     assert all(bound[k][t] > 0 for k in ("train_s", "generate_s") for t in ("1", "2"))

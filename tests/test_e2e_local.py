@@ -29,6 +29,8 @@ def test_quickstart_learns_and_cleans_up(tmp_path):
     # the staleness bound held on every step, and the safety net never fired
     assert all(s["staleness_max"] <= 2 for s in steps)
     assert steps[-1]["total_violations"] == 0
+    # the training thread's CPU time is part of the compute phase's wall time
+    assert all(0 < s["compute_cpu_s"] <= s["compute_s"] + 1e-3 for s in steps)
     # final checkpoint, loadable as a Hugging Face model
     from transformers import AutoModelForCausalLM
 

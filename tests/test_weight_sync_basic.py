@@ -247,6 +247,27 @@ def test_leave_rebuilds_group_without_the_service(env_factory):
     assert_identical(got.tensors, expected(model, torch.float32))
 
 
+def test_a_receiver_that_joins_after_the_shutdown_announcement_ends_cleanly(env_factory):
+    """A rollout service that starts as the run ends (a restart, a late pod) JOINs after the
+    learner announced its shutdown: told so in the reply, it ends as the members do (it used to
+    wait for announcements past the last one until the learner's store went away, then fail)."""
+    model = tiny_model()
+    env = env_factory()
+    member = env.receiver("rollout-0")
+    env.wait_members(1)
+    env.broadcaster.publish(1, model)
+    assert wait_version(member, 1).version == 1
+    env.broadcaster.announce_shutdown()
+    env.broadcaster.announce_shutdown()  # once: a second call announces nothing more
+    late = env.receiver("rollout-1")
+    for r in (member, late):
+        assert r.finished.wait(10), f"{r.service_id} did not end"
+        assert r.error is None
+    assert late.version == 1  # it pulled the published weights before its JOIN
+    membership = env.broadcaster.membership
+    assert membership.counters["joins_after_shutdown"] == 1 and membership.registered() == 0
+
+
 @pytest.mark.parametrize("checksum", ["auto", "wsum32"])
 def test_delta_sync_sends_only_changed_tensors(env_factory, checksum):
     model = tiny_model()

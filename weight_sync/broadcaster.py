@@ -192,7 +192,7 @@ class WeightBroadcaster:
             return
         self._finish_confirm()
         self._confirm_pool.shutdown(wait=True)
-        self._announce(self.membership.next_seq(), ShutdownAnnouncement())
+        self.announce_shutdown()
         deadline = time.monotonic() + leave_wait_s
         while self.membership.registered() and time.monotonic() < deadline:
             time.sleep(0.05)  # receivers LEAVE when they read the shutdown
@@ -206,6 +206,12 @@ class WeightBroadcaster:
             self.notices.close()
             self.notices = None
         self.store = None
+
+    def announce_shutdown(self) -> None:
+        """Tell every receiver that nothing more will be published (once): members read the
+        announcement and LEAVE; a service that JOINs from now on is told so in the reply."""
+        if not self.membership.shutting_down:
+            self._announce(self.membership.shutdown_seq(), ShutdownAnnouncement())
 
     def _live_store(self) -> TCPStore:
         """The store rank 0 serves from start() to close()."""

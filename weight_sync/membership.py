@@ -10,7 +10,8 @@ Thread rules: the control server thread calls `handle` and `status`; the learner
 broadcaster) calls the rest. One lock guards everything. The announcement sequence number
 lives here, under the same lock, so that the `seq` in a JOIN reply is never past the epoch
 announcement that lists the joiner: candidates are chosen and that announcement's number is
-reserved in one step.
+reserved in one step. Likewise the shutdown announcement's: a JOIN answered after it is
+told the learner is shutting down (it would otherwise wait for announcements past the last).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Membership:
         self.epoch = 0
         self.published_version = -1
         self.announced_version = -1
+        self.shutting_down = False  # the shutdown announcement's seq is taken: JOINs are turned away
         self._problems: list[SyncReportRequest] = []
         self.counters: Counter[str] = Counter()
 
@@ -83,6 +85,9 @@ class Membership:
             raise ValueError("service_id and incarnation must not be empty")
         if "/" in req.service_id:
             raise ValueError(f"service_id={req.service_id!r} must not contain '/'")
+        if self.shutting_down:
+            self.counters["joins_after_shutdown"] += 1
+            return JoinReply(proto=PROTO_VERSION, id=req.id, seq=self._seq, shutting_down=True)
         old = self._members.get(req.service_id)
         member = Member(req.service_id, req.incarnation, req.held_version, req.device)
         if old is not None:
@@ -148,6 +153,14 @@ class Membership:
             seq = self._seq
             self._seq += 1
             self.announced_version = max(self.announced_version, version)
+            return seq
+
+    def shutdown_seq(self) -> int:
+        """The shutdown announcement's seq; every JOIN from now on is answered `shutting_down`."""
+        with self._lock:
+            self.shutting_down = True
+            seq = self._seq
+            self._seq += 1
             return seq
 
     def needs_epoch(self) -> bool:

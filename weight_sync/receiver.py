@@ -203,7 +203,8 @@ class WeightReceiver:
         while not self._stop.is_set():
             try:
                 if not self._registered:
-                    self._join()
+                    if self._join():
+                        return True  # the learner shut down before this JOIN
                     continue
                 announcement = self._next_announcement()
                 if announcement is None:
@@ -227,8 +228,9 @@ class WeightReceiver:
 
     # -- membership ----------------------------------------------------------------------------
 
-    def _join(self) -> None:
-        """Pull the current version if newer than what is held, then JOIN."""
+    def _join(self) -> bool:
+        """Pull the current version if newer than what is held, then JOIN. True: the learner
+        announced its shutdown before the JOIN (not registered; nothing more will come)."""
         self._pull()
         deadline = time.monotonic() + self.cfg.timeout_s
         while not self._stop.is_set():
@@ -241,7 +243,10 @@ class WeightReceiver:
                 if time.monotonic() > deadline:
                     raise
         else:
-            return
+            return False
+        if reply.shutting_down:
+            log.info("weight receiver: %s: the learner is shutting down; not joining", self.service_id)
+            return True
         self._seq = reply.seq
         self._registered = True
         self._listed = False
@@ -258,6 +263,7 @@ class WeightReceiver:
             # announced before the JOIN, so sent to an epoch without this receiver and not
             # announced again: pull it once its send settles (`send: background` widens this)
             self._catch_up(reply.announced_version)
+        return False
 
     def _catch_up(self, version: int) -> None:
         """A version went out over a group this receiver is not in (it joined after the epoch

@@ -164,6 +164,9 @@ class JoinReply(_Reply, tag="JOIN"):
     # newest version announced: above published_version while its send is in flight, to the
     # epoch formed before this JOIN (the receiver pulls it once published)
     announced_version: int = -1
+    # the learner announced its shutdown before this JOIN: nothing more will be sent, and the
+    # receiver was not registered (it ends as if it had read the announcement)
+    shutting_down: bool = False
 
 
 class LeaveReply(_Reply, tag="LEAVE"):
