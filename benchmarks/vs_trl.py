@@ -98,6 +98,7 @@ import argparse
 import copy
 import importlib.util
 import json
+import math
 import os
 import signal
 import statistics
@@ -722,8 +723,10 @@ def summarize(runs: list[dict], tasks: list[str], seeds: list[int]) -> dict:
     """Per task, per seed: time and steps to 0.9 for each system, Sluice/TRL ratios, medians.
     A system that stopped (max steps) short of the threshold would have taken longer than its
     whole run: where only one reached it, the ratio is a bound (`censored`: Sluice/TRL is at
-    most it when only Sluice reached, at least it when only TRL did), and that bound, which errs
-    against Sluice either way, is what the medians and the every-seed verdict use."""
+    most it when only Sluice reached, at least it when only TRL did). The medians and the
+    every-seed verdict err against Sluice: an upper bound counts as its value, a lower bound as
+    larger than any ratio (a Sluice run that stopped short is never "faster"; a median that
+    falls on one is None)."""
     out = {}
     for task in tasks:
         per_seed = []
@@ -737,16 +740,27 @@ def summarize(runs: list[dict], tasks: list[str], seeds: list[int]) -> dict:
                                "ran_s": last["time_s"], "ran_steps": last["step"]}  # fmt: skip
             row.update(seed_ratios(row.get("sluice", {}), row.get("trl", {})))
             per_seed.append(row)
-        ratios = [r["time_ratio"] for r in per_seed if "time_ratio" in r]
-        steps_ratios = [r["steps_ratio"] for r in per_seed if "steps_ratio" in r]
+        ratios = [against_sluice(r, "time_ratio") for r in per_seed if "time_ratio" in r]
+        steps_ratios = [against_sluice(r, "steps_ratio") for r in per_seed if "steps_ratio" in r]
         out[task] = {
             "per_seed": per_seed,
             "over_seeds": {system: over_seeds(per_seed, system) for system in ("sluice", "trl")},
-            "median_time_ratio": statistics.median(ratios) if ratios else None,
-            "median_steps_ratio": statistics.median(steps_ratios) if steps_ratios else None,
+            "median_time_ratio": finite_median(ratios),
+            "median_steps_ratio": finite_median(steps_ratios),
             "sluice_faster_every_seed": len(ratios) == len(seeds) and all(x < 1 for x in ratios),
         }
     return out
+
+
+def against_sluice(row: dict, key: str) -> float:
+    """A seed's Sluice/TRL ratio as the medians and the verdict take it: a lower bound (Sluice
+    stopped short, TRL did not) counts as larger than any ratio."""
+    return math.inf if row.get("censored") == "at least" else row[key]
+
+
+def finite_median(values: list[float]) -> float | None:
+    m = statistics.median(values) if values else None
+    return None if m is None or math.isinf(m) else m
 
 
 def over_seeds(per_seed: list[dict], system: str) -> dict:

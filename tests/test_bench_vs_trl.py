@@ -75,12 +75,27 @@ def test_a_seed_only_one_system_finished_counts_with_a_bound_against_sluice(benc
     assert only_sluice["steps_ratio"] == pytest.approx(0.2)
     assert only_trl["censored"] == "at least" and only_trl["time_ratio"] == pytest.approx(4.0)
     assert "time_ratio" not in neither  # no verdict where neither reached it
-    assert s["median_time_ratio"] == pytest.approx(2.1)
+    # against Sluice: the upper bound counts as 0.2, the lower bound as larger than any ratio
+    assert s["median_time_ratio"] is None and s["median_steps_ratio"] is None
     assert s["sluice_faster_every_seed"] is False
     # over the seeds: a run that stopped short counts as slower than any that reached the bar
     sluice = s["over_seeds"]["sluice"]
     assert sluice == {"seeds": 3, "reached": 1, "median_steps": None, "median_time_s": None}
     assert s["over_seeds"]["trl"]["reached"] == 1
+
+
+def test_a_sluice_run_that_stopped_short_is_never_counted_faster(bench):
+    """Sluice stopped at its max steps after 40 s without reaching the bar that TRL reached in
+    50 s: Sluice/TRL is at least 0.8, which says nothing about which was faster."""
+    runs = [bench_run("trl", 0, 800, 50.0), bench_run("sluice", 0, None, None, ran=(1000, 40.0)),
+            bench_run("trl", 1, 400, 40.0), bench_run("sluice", 1, 300, 20.0),
+            bench_run("trl", 2, 400, 40.0), bench_run("sluice", 2, 300, 30.0)]  # fmt: skip
+    s = bench.summarize(runs, ["copy"], [0, 1, 2])["copy"]
+    stopped = s["per_seed"][0]
+    assert stopped["censored"] == "at least" and stopped["time_ratio"] == pytest.approx(0.8)
+    assert s["sluice_faster_every_seed"] is False
+    assert s["median_time_ratio"] == pytest.approx(0.75)  # of 0.5, 0.75 and the unknown (> any)
+    assert s["median_steps_ratio"] == pytest.approx(0.75)
 
 
 def test_the_distribution_over_seeds_counts_a_run_that_stopped_short_as_slowest(bench):
