@@ -773,9 +773,7 @@ def over_seeds(per_seed: list[dict], system: str) -> dict:
     reached_rows = [r for r in rows if r["steps"]]
 
     def censored_median(key: str) -> float | None:
-        vals = sorted(r[key] for r in reached_rows) + [float("inf")] * (len(rows) - len(reached_rows))
-        m = statistics.median(vals) if vals else None
-        return None if m is None or m == float("inf") else m
+        return finite_median([r[key] for r in reached_rows] + [math.inf] * (len(rows) - len(reached_rows)))
 
     return {"seeds": len(rows), "reached": len(reached_rows),
             "median_steps": censored_median("steps"), "median_time_s": censored_median("time_s")}  # fmt: skip

@@ -150,18 +150,20 @@ class Membership:
     def next_seq(self, version: int = -1) -> int:
         """The next announcement's seq; `version`: the weights it announces (-1: none)."""
         with self._lock:
-            seq = self._seq
-            self._seq += 1
             self.announced_version = max(self.announced_version, version)
-            return seq
+            return self._take_seq()
 
     def shutdown_seq(self) -> int:
         """The shutdown announcement's seq; every JOIN from now on is answered `shutting_down`."""
         with self._lock:
             self.shutting_down = True
-            seq = self._seq
-            self._seq += 1
-            return seq
+            return self._take_seq()
+
+    def _take_seq(self) -> int:
+        """Reserve the next announcement's seq (the caller holds the lock)."""
+        seq = self._seq
+        self._seq += 1
+        return seq
 
     def needs_epoch(self) -> bool:
         with self._lock:
@@ -172,8 +174,7 @@ class Membership:
         with self._lock:
             self.epoch += 1
             self._changed = False
-            seq = self._seq
-            self._seq += 1
+            seq = self._take_seq()
             self.counters["epochs"] += 1
             return (
                 seq,
