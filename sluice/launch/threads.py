@@ -20,7 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from sluice.accelerators import cpu_only
+from sluice.accelerators import cpu_only, cuda_available
 from sluice.config.run import RunConfig
 
 if TYPE_CHECKING:
@@ -171,11 +171,7 @@ def _rollout_on_cpu(cfg: RunConfig) -> bool:
         return True
     engine = resolve_engine(cfg.rollout.engine)
     if engine == "vllm":
-        if cpu_only():
-            return True
-        import torch
-
-        return not torch.cuda.is_available()
+        return not cuda_available()
     return engine == "hf"
 
 
