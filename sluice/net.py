@@ -11,25 +11,50 @@ import zmq
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago. Racy: it is released before whoever uses it binds
-    it, and another process may take it meanwhile. Only for a port that must be known before
-    its server exists (the launcher writes the ports of child processes into their config); a
-    server in this process binds `tcp://host:*` and reads the port back (`.endpoint`)."""
+    it, and another process may take it meanwhile. For tests and tools; a launcher that writes
+    its children's ports into their config holds them (`HeldPorts`), and a server in this
+    process binds `tcp://host:*` and reads the port back (`.endpoint`)."""
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def free_ports(n: int, host: str = "0.0.0.0") -> list[int]:
-    """`n` distinct TCP ports that were free a moment ago (all held open while choosing, then
-    released: racy as `free_port` is)."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:
+class HeldPorts:
+    """Ports for servers that other processes must know before they exist, each kept bound by
+    this process until `close()` so that nothing else on the host can be given it meanwhile.
+
+    `free_port`'s race is real on a busy host: its port goes back to the kernel's ephemeral
+    pool, and before the role binds it the kernel may hand it to any `bind(0)` or outgoing
+    connection (a Ray cluster opens hundreds; CI once lost a learner to EADDRINUSE on its
+    weight-sync store). A held socket is bound with SO_REUSEADDR and never listens: the kernel
+    skips its port when choosing one, while a server that also sets SO_REUSEADDR (ZeroMQ's TCP
+    listener, torch's TCPStore) can still bind and listen on it, in this process or another.
+    """
+
+    def __init__(self) -> None:
+        self._socks: list[socket.socket] = []
+
+    def take(self, host: str = "0.0.0.0") -> int:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # not inherited by children (PEP 446)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
             s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
+        except OSError:
             s.close()
+            raise
+        self._socks.append(s)
+        return s.getsockname()[1]
+
+    def close(self) -> None:
+        for s in self._socks:
+            s.close()
+        self._socks.clear()
+
+    def __enter__(self) -> HeldPorts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def zmq_socket(ctx: zmq.Context, kind: int, *, linger_ms: int = 0, hwm: int = 1000) -> zmq.Socket:

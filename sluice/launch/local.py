@@ -42,7 +42,7 @@ from sluice.launch.threads import (
     plan_threads,
 )
 from sluice.metrics import JsonlLog
-from sluice.net import free_port
+from sluice.net import HeldPorts
 
 log = logging.getLogger(__name__)
 
@@ -107,34 +107,36 @@ def resolve_run_dir(cfg: RunConfig) -> None:
     cfg.run.dir = str(Path(cfg.run.dir).resolve())
 
 
-def resolve(cfg: RunConfig) -> RunConfig:
+def resolve(cfg: RunConfig, ports: HeldPorts) -> RunConfig:
     """Fill in the run directory, free ports and thread counts; the result is what every
-    child reads."""
+    child reads. Each port chosen here stays held in `ports` until the caller closes it (after
+    the run), so no other process on the host is given it before its role binds it."""
     cfg = cfg.model_copy(deep=True)
     resolve_run_dir(cfg)
     b = cfg.buffer
     if not b.endpoints and b.base_port == 0:
-        b.endpoints = [f"tcp://{b.host}:{free_port(b.host)}" for _ in range(b.shards)]
+        b.endpoints = [f"tcp://{b.host}:{ports.take(b.host)}" for _ in range(b.shards)]
     if cfg.control.port == 0:
-        cfg.control.port = free_port(cfg.control.host)
+        cfg.control.port = ports.take(cfg.control.host)
     if cfg.weight_sync.master_port == 0:
-        cfg.weight_sync.master_port = free_port(cfg.weight_sync.master_addr)
+        cfg.weight_sync.master_port = ports.take(cfg.weight_sync.master_addr)
     lc = cfg.learner
     if lc.master_port == 0:
-        lc.master_port = free_port(lc.master_addr)
+        lc.master_port = ports.take(lc.master_addr)
     for policy in lc.policies[1:]:  # each further learner group gets its own ports
-        ports = lc.group_ports.get(policy, GroupPorts())
+        given = lc.group_ports.get(policy, GroupPorts())
         lc.group_ports[policy] = GroupPorts(
-            control=ports.control or free_port(cfg.control.host),
-            weight_sync=ports.weight_sync or free_port(cfg.weight_sync.master_addr),
-            dist=ports.dist or free_port(lc.master_addr),
+            control=given.control or ports.take(cfg.control.host),
+            weight_sync=given.weight_sync or ports.take(cfg.weight_sync.master_addr),
+            dist=given.dist or ports.take(lc.master_addr),
         )
     return plan_threads(cfg, available_cores())
 
 
 class LocalLauncher:
     def __init__(self, cfg: RunConfig, console: Console | None = None, show_progress: bool = True) -> None:
-        self.cfg = resolve(cfg)
+        self.ports = HeldPorts()
+        self.cfg = resolve(cfg, self.ports)
         self.run_dir = self.cfg.run_dir
         self.console = console or Console(stderr=True)
         self.show_progress = show_progress
@@ -320,6 +322,7 @@ class LocalLauncher:
             code = self.supervise()
         finally:
             self.shutdown()
+            self.ports.close()
         from sluice.plots import write_run_plots  # matplotlib: only once the run is over
 
         learner = self._child("learner")

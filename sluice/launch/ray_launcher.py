@@ -31,7 +31,7 @@ from sluice.launch.ray_logs import RoleEndWatch, write_role_ended
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USER_CODE, quiet_libraries, restartable
 from sluice.metrics import JsonlLog
 from sluice.modeling.policy import materialize_policy_dir
-from sluice.net import free_ports
+from sluice.net import HeldPorts
 from sluice.plots import write_run_plots
 from sluice.plugins import UserCodeError
 
@@ -58,6 +58,7 @@ class RoleActor:
         self.spec = spec
         self.name = spec.name
         self.stop = threading.Event()
+        self.ports = HeldPorts()  # held until the role has run: its servers bind them
         quiet_libraries()
         fmt = logging.Formatter(f"%(asctime)s {self.name} %(levelname)s %(name)s: %(message)s")
         log_dir = Path(run_dir) / "logs"
@@ -84,7 +85,7 @@ class RoleActor:
         }
 
     def reserve_ports(self, n: int) -> list[int]:
-        return free_ports(n)
+        return [self.ports.take() for _ in range(n)]
 
     def run(self, config: dict[str, Any]) -> int:
         """The role's main function, as the per-role command runs it (the plan's spec, from
@@ -107,6 +108,7 @@ class RoleActor:
             logging.getLogger(self.name).exception("%s failed", self.name)
             raise
         finally:
+            self.ports.close()
             write_role_ended(self.name, outcome)  # the driver waits for this line (ray_logs.py)
 
     def halt(self) -> None:
