@@ -2,21 +2,47 @@
 
 from __future__ import annotations
 
+import random
 import resource
 import socket
 from contextlib import closing
+from pathlib import Path
 
 import zmq
 
+PRIVATE_PORT_FLOOR = 20000  # below: Ray's worker ports (10002-19999) and other fixed services
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago. Racy: it is released before whoever uses it binds
-    it, and another process may take it meanwhile. For tests and tools; a launcher that writes
-    its children's ports into their config holds them (`HeldPorts`), and a server in this
-    process binds `tcp://host:*` and reads the port back (`.endpoint`)."""
+    """A TCP port that was free a moment ago, for tests and tools. Racy: it is released before
+    whoever uses it binds it. To narrow the race it is drawn at random from below the kernel's
+    ephemeral range, where no `bind(0)` or outgoing connection is ever given a port, so only
+    an explicit bind to the same number can take it (the kernel's own choice where that range
+    leaves no room). A launcher that writes its children's ports into their config holds them
+    (`HeldPorts`); a server in this process binds `tcp://host:*` and reads its port back."""
+    low = ephemeral_range()[0]
+    draw = random.SystemRandom()
+    for _ in range(64 if low - PRIVATE_PORT_FLOOR >= 1000 else 0):
+        port = draw.randrange(PRIVATE_PORT_FLOOR, low)
+        with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it chooses itself (Linux's default where unreadable)."""
+    try:
+        low, high = EPHEMERAL_RANGE.read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 class HeldPorts:

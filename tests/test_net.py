@@ -1,5 +1,6 @@
-"""Ports chosen before their servers exist (sluice/net.py `HeldPorts`): held, so the kernel hands
-them to no one else, and still bindable by the role's own servers (ZeroMQ, torch's TCPStore)."""
+"""Ports chosen before their servers exist (sluice/net.py): `HeldPorts` are held, so the kernel
+hands them to no one else, and still bindable by the role's own servers (ZeroMQ, torch's
+TCPStore); `free_port` draws from below the kernel's ephemeral range where there is room."""
 
 from __future__ import annotations
 
@@ -21,10 +22,18 @@ CARTPOLE = Path(__file__).resolve().parents[1] / "configs" / "cartpole.yaml"
 IN_A_SMALL_PORT_RANGE = """
 import datetime, socket, zmq
 from torch.distributed import TCPStore
-from sluice.net import HeldPorts
+from sluice.net import HeldPorts, ephemeral_range, free_port
 
-with open("/proc/sys/net/ipv4/ip_local_port_range", "w") as f:
-    f.write("40000 40007")
+def port_range(low, high):
+    with open("/proc/sys/net/ipv4/ip_local_port_range", "w") as f:
+        f.write(f"{low} {high}")
+    assert ephemeral_range() == (low, high)
+
+port_range(20500, 60999)  # no room below the range: free_port takes the kernel's choice
+assert all(20500 <= free_port() <= 60999 for _ in range(20))
+port_range(40000, 40007)
+drawn = {free_port() for _ in range(20)}
+assert all(20000 <= p < 40000 for p in drawn) and len(drawn) > 1, drawn
 
 def kernel_choices(n):
     seen = set()
