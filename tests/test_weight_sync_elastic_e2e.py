@@ -19,6 +19,7 @@ from sluice.config.loader import dump_config, load_config
 from sluice.launch.local import resolve
 from sluice.metrics import read_jsonl
 from sluice.modeling import materialize_model_dir
+from sluice.net import HeldPorts
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -32,7 +33,14 @@ def start_role(run_dir: Path, config: Path, name: str, *args: str, reaper: list)
         return start(args, reaper, stdout=log, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def test_rollout_killed_and_another_started_while_training_continues(tmp_path, process_reaper):
+@pytest.fixture
+def held_ports():
+    """The run's ports, held as `sluice run` holds them until its roles are gone."""
+    with HeldPorts() as ports:
+        yield ports
+
+
+def test_rollout_killed_and_another_started_while_training_continues(tmp_path, process_reaper, held_ports):
     run_dir = tmp_path / "run"
     cfg = load_config(
         QUICKSTART,
@@ -45,7 +53,7 @@ def test_rollout_killed_and_another_started_while_training_continues(tmp_path, p
             "weight_sync.liveness_timeout_s=3",
         ],
     )
-    cfg = resolve(cfg)
+    cfg = resolve(cfg, held_ports)
     (run_dir / "logs").mkdir(parents=True)
     materialize_model_dir(cfg.model, cfg.run_dir)
     config = run_dir / "config.yaml"
