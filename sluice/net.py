@@ -15,12 +15,10 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago, for tests and tools. Racy: it is released before
-    whoever uses it binds it. To narrow the race it is drawn at random from below the kernel's
-    ephemeral range, where no `bind(0)` or outgoing connection is ever given a port, so only
-    an explicit bind to the same number can take it (the kernel's own choice where that range
-    leaves no room). A launcher that writes its children's ports into their config holds them
-    (`HeldPorts`); a server in this process binds `tcp://host:*` and reads its port back."""
+    """A TCP port that was free a moment ago, for tests and tools that cannot hold one
+    (`HeldPorts`). Racy: it is released before whoever uses it binds it. Drawn from below the
+    kernel's ephemeral range, where no `bind(0)` or outgoing connection can take it, or the
+    kernel's choice where that range leaves no room (docs/architecture.md, "Local launcher")."""
     low = ephemeral_range()[0]
     draw = random.SystemRandom()
     for _ in range(64 if low - PRIVATE_PORT_FLOOR >= 1000 else 0):
@@ -47,15 +45,9 @@ def ephemeral_range() -> tuple[int, int]:
 
 class HeldPorts:
     """Ports for servers that other processes must know before they exist, each kept bound by
-    this process until `close()` so that nothing else on the host can be given it meanwhile.
-
-    `free_port`'s race is real on a busy host: its port goes back to the kernel's ephemeral
-    pool, and before the role binds it the kernel may hand it to any `bind(0)` or outgoing
-    connection (a Ray cluster opens hundreds; CI once lost a learner to EADDRINUSE on its
-    weight-sync store). A held socket is bound with SO_REUSEADDR and never listens: the kernel
-    skips its port when choosing one, while a server that also sets SO_REUSEADDR (ZeroMQ's TCP
-    listener, torch's TCPStore) can still bind and listen on it, in this process or another.
-    """
+    this process until `close()` so that the kernel gives it to no one else meanwhile. A held
+    socket is bound with SO_REUSEADDR and never listens, so a server that also sets it (ZeroMQ,
+    torch's TCPStore) still binds and listens there (docs/architecture.md, "Local launcher")."""
 
     def __init__(self) -> None:
         self._socks: list[socket.socket] = []
