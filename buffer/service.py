@@ -7,7 +7,7 @@ import threading
 from sluice.buffer.metrics import ShardMetrics
 from sluice.buffer.server import ShardServer
 from sluice.config.run import RunConfig
-from sluice.launch.heap import freeze_startup_heap
+from sluice.launch.heap import freeze_startup_heap, retain_freed_memory
 from sluice.launch.threads import apply_placement
 from sluice.metrics import PrometheusEndpoint, record_endpoint
 from sluice.security import secure_context
@@ -27,6 +27,7 @@ def run_buffer(cfg: RunConfig, shard: int, stop: threading.Event) -> int:
     if cfg.run.dir is not None:
         record_endpoint(cfg.run_dir, f"buffer-{shard}", metrics_port=port, endpoint=server.endpoint)
     freeze_startup_heap()  # built: later full collections walk only what serving makes
+    retain_freed_memory()
     try:
         server.serve(stop)
     finally:

@@ -27,8 +27,8 @@ from sluice.config.policy import checkpoint_root, policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer, samples_by_service
-from sluice.launch.heap import freeze_startup_heap
-from sluice.launch.threads import ComputePinning, role_threads
+from sluice.launch.heap import freeze_startup_heap, retain_freed_memory
+from sluice.launch.threads import ComputePinning, role_threads, thread_sleeps
 from sluice.learner.acks import BackgroundAcks
 from sluice.learner.balance import assign_to_ranks
 from sluice.learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
@@ -45,6 +45,7 @@ from sluice.trajectory import Trajectory
 from sluice.weight_sync.broadcaster import WeightBroadcaster
 
 log = logging.getLogger(__name__)
+
 
 STOP, TRAIN, SKIP = 0, 1, 2  # what rank 0 tells the group at the start of a step
 
@@ -186,6 +187,7 @@ class Learner:
     def run(self) -> int:
         lc, ws = self.cfg.learner, self.cfg.weight_sync
         freeze_startup_heap()  # built: before the first publish lets the rollouts start
+        retain_freed_memory()
         self.start()
         self.publish_weights()
         self.pinning.pin(role_threads(lc.torch_threads))  # the helpers have started by now
@@ -195,9 +197,9 @@ class Learner:
             step = self.receive_batch()
             if step is None:
                 break
-            t1, cpu1 = time.perf_counter(), time.thread_time()
+            t1, cpu1, sleeps1 = time.perf_counter(), time.thread_time(), thread_sleeps()
             stats = self.trainer.train_step(step.local) if step.local is not None else {}
-            t2, cpu2 = time.perf_counter(), time.thread_time()
+            t2, cpu2, sleeps2 = time.perf_counter(), time.thread_time(), thread_sleeps()
             if step.local is not None:
                 self.version += 1
             self.consumed(step)
@@ -215,6 +217,7 @@ class Learner:
                     wait_s=t1 - t0,
                     compute_s=t2 - t1,
                     compute_cpu_s=cpu2 - cpu1,
+                    compute_sleeps=sleeps2 - sleeps1,
                     sync_s=sync_s,
                     ckpt_s=t4 - t3,
                     step_s=t4 - t0,
@@ -408,6 +411,7 @@ class Learner:
             **timing,
             "loss": stats.get("policy_loss", 0.0),
             "fetch_wait_s": s.fetch_wait_s,
+            "fetch_gets": s.rank0_fetched().gets,
             "scatter_s": s.scatter_s,
             "wait_frac": timing["wait_s"] / timing["step_s"],
             "samples": len(trained),

@@ -42,6 +42,8 @@ PROM_GAUGES = {
     "wait_s": "Seconds of the last step spent waiting for data",
     "compute_s": "Seconds of the last step spent computing",
     "compute_cpu_s": "CPU seconds of the training thread in compute_s (rest: waiting for the GIL or a core)",
+    "compute_sleeps": "Times the training thread slept in compute_s (waiting to take the GIL back)",
+    "fetch_gets": "GET calls that filled the last batch (1: it was waiting, whole, in the buffer)",
     "sync_s": "Seconds of the last step spent publishing weights",
     "episode_return_mean": "Mean return of the last return_window episodes (classic RL)",
     "total_dropped_stale": "Samples dropped by the buffer for staleness (total)",

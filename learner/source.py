@@ -39,6 +39,7 @@ class FetchedBatch:
     leased: LeasedBatch
     leased_at: float  # monotonic time of the first GET
     fetch_s: float  # time spent completing it (GETs and long polls)
+    gets: int = 0  # BufferClient.get calls it took
 
 
 def give_back(client: BufferClient, leased: LeasedBatch) -> None:
@@ -128,6 +129,7 @@ class BatchSource:
         leased = LeasedBatch()
         t0 = time.perf_counter()
         leased_at = time.monotonic()
+        gets = 0
         while len(leased.trajs) < lc.batch_size:
             if self._stopping():
                 give_back(client, leased)
@@ -140,6 +142,7 @@ class BatchSource:
                 policy_id=self.policy_id,
                 wait_ms=lc.get_wait_ms,
             )
+            gets += 1
             if part.dropped_stale:
                 self.on_dropped(part.dropped_stale)
             held = {t.traj_id for t in leased.trajs}
@@ -150,7 +153,7 @@ class BatchSource:
             if not leased.leases and part.leases:
                 leased_at = time.monotonic()
             leased.extend(part)
-        return FetchedBatch(version, min_version, leased, leased_at, time.perf_counter() - t0)
+        return FetchedBatch(version, min_version, leased, leased_at, time.perf_counter() - t0, gets)
 
     def _start_over(self, client: BufferClient, leased: LeasedBatch) -> LeasedBatch:
         """Give a partial batch back; the new one keeps its count of stale drops (the step

@@ -27,7 +27,7 @@ from prometheus_client import Counter, Gauge
 from sluice.buffer.client import BufferClient, PutAborted
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
-from sluice.launch.heap import freeze_startup_heap
+from sluice.launch.heap import freeze_startup_heap, retain_freed_memory
 from sluice.launch.threads import apply_placement
 from sluice.metrics import JsonlLog, PrometheusEndpoint, record_endpoint
 from sluice.rollout_svc.engines.base import WeightUpdate
@@ -416,6 +416,7 @@ def run_actor(loop: ActorLoop) -> int:
     start-up does."""
     apply_placement()
     freeze_startup_heap()
+    retain_freed_memory()
     try:
         return loop.run()
     finally:

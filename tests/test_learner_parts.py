@@ -98,6 +98,7 @@ def test_batch_source_leases_whole_groups_under_the_bound(shard_factory, prefetc
             "t13",
         ]
         assert batch.leased.dropped_stale == 2
+        assert batch.gets == 1  # the whole batch was waiting in the shard
         source.request(4)  # t14 (version 2) is too old now: the batch waits for data
         late = [traj(20 + i, f"late{i}", 2, 4) for i in range(4)]
         if prefetch:
@@ -147,7 +148,7 @@ def test_batch_source_never_holds_a_partial_batch_near_its_lease_timeout(shard_f
         source.request(0)
         batch = source.take()
         assert sorted(t.traj_id for t in batch.leased.trajs) == ["t0", "t1", "t2", "t3"]
-        assert source.restarts >= 1
+        assert source.restarts >= 1 and batch.gets >= 2
         assert producer.stats()[0].stats["redelivered"] >= 2  # NACKed, never expired inside
         assert producer.ack(batch.leased) == 4  # every lease of the batch is still valid
     finally:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from sluice.config.loader import load_config
-from sluice.launch.threads import plan_threads, role_threads
+from sluice.launch.threads import plan_threads, role_threads, thread_sleeps
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
@@ -150,3 +151,16 @@ def test_a_bad_priority_is_named():
     child = "from sluice.launch.threads import apply_placement; apply_placement()"
     out = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "SLUICE_PRIORITY must be a nice value or 'idle', got 'low'" in out.stderr
+
+
+def test_thread_sleeps_counts_the_calling_threads_own_waits_only():
+    woke = threading.Event()
+    before = thread_sleeps()
+    waiter = threading.Thread(target=lambda: [woke.wait(0.001) for _ in range(50)])
+    waiter.start()
+    waiter.join()  # a few sleeps here (start, join), none of the waiter's fifty
+    joined = thread_sleeps() - before
+    for _ in range(20):
+        woke.wait(0.001)
+    assert joined < 20
+    assert thread_sleeps() - before - joined >= 20

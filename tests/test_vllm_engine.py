@@ -41,7 +41,7 @@ def setup(tmp_path_factory):
 
 def test_logprobs_match_the_learners_recomputation(setup):
     engine, model, tok, w0, _, prompts = setup
-    assert engine.version == 0
+    engine.load_weights(list(w0.items()), 0)  # each test loads what it starts from: any order
     groups = engine.generate(prompts, 8, SamplingParams(8, TEMPERATURE))
     assert all(set(c.versions.tolist()) == {0} for g in groups for c in g)
     err = max_logprob_error(model, {0: w0}, prompts, groups, TEMPERATURE, tok.pad_token_id)
@@ -54,7 +54,7 @@ def test_logprobs_match_the_learners_recomputation(setup):
 
 def test_in_place_weight_update_changes_outputs_and_versions(setup):
     engine, model, tok, w0, w1, prompts = setup
-    engine.load_weights(list(w1.items()), 1)  # leaves w1 loaded
+    engine.load_weights(list(w1.items()), 1)
     groups = engine.generate(prompts, 8, SamplingParams(8, TEMPERATURE))
     assert engine.version == 1
     assert all(set(c.versions.tolist()) == {1} for g in groups for c in g)
@@ -66,10 +66,11 @@ def test_in_place_weight_update_changes_outputs_and_versions(setup):
 
 
 def test_continue_records_version_spans(setup):
-    engine, model, tok, w0, w1, prompts = setup  # w1 loaded as version 1
+    engine, model, tok, w0, w1, prompts = setup
+    engine.load_weights(list(w1.items()), 1)
     params = SamplingParams(8, TEMPERATURE, on_new_weights="continue")
     groups = engine.generate(prompts, 8, params, poll_after(3, WeightUpdate(2, list(w0.items()))))
-    assert engine.version == 2  # leaves w0 loaded as version 2
+    assert engine.version == 2
     spans = 0
     for g in groups:
         for c in g:
@@ -83,7 +84,8 @@ def test_continue_records_version_spans(setup):
 
 
 def test_abort_requeues_in_flight_sequences(setup):
-    engine, model, tok, w0, w1, prompts = setup  # w0 loaded as version 2
+    engine, model, tok, w0, w1, prompts = setup
+    engine.load_weights(list(w0.items()), 2)
     params = SamplingParams(8, TEMPERATURE, on_new_weights="abort")
     groups = engine.generate(prompts, 8, params, poll_after(2, WeightUpdate(3, list(w1.items()))))
     restarted = 0
@@ -100,7 +102,8 @@ def test_abort_requeues_in_flight_sequences(setup):
 
 
 def test_bad_weight_update_is_refused_and_engine_keeps_serving(setup):
-    engine, _, _, _, _, prompts = setup
+    engine, _, _, _, w1, prompts = setup
+    engine.load_weights(list(w1.items()), 3)
     with pytest.raises(ValueError, match="no tensors"):
         engine.load_weights([], 9)
     assert engine.version == 3
@@ -112,7 +115,8 @@ def test_bad_weight_update_is_refused_and_engine_keeps_serving(setup):
     "knobs", [dict(top_p=0.9, top_k=5), dict(min_p=0.1), dict(top_k=5, top_p=0.9, min_p=0.05)], ids=str
 )
 def test_filtered_logprobs_match_the_learners_recomputation(setup, knobs):
-    engine, model, tok, _, w1, prompts = setup  # w1 loaded as version 3
+    engine, model, tok, _, w1, prompts = setup
+    engine.load_weights(list(w1.items()), 3)
     params = SamplingParams(8, TEMPERATURE, **knobs)
     groups = engine.generate(prompts, 16, params)
     err = max_logprob_error(model, {3: w1}, prompts, groups, SamplingTransform.of(params), tok.pad_token_id)

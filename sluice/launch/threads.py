@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import resource
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -229,6 +230,14 @@ class ComputePinning:
         for tid in new:
             _set_affinity(tid, self.shared)
         self._known |= new
+
+
+def thread_sleeps() -> int:
+    """Times the calling thread has slept so far (voluntary context switches; Linux's
+    RUSAGE_THREAD, 0 elsewhere). Around the learner's compute phase they count its waits to
+    take the GIL back from a helper thread (its metric `compute_sleeps`)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_nvcsw if who is not None else 0
 
 
 def _thread_ids() -> set[int]:
