@@ -46,7 +46,6 @@ from sluice.weight_sync.broadcaster import WeightBroadcaster
 
 log = logging.getLogger(__name__)
 
-
 STOP, TRAIN, SKIP = 0, 1, 2  # what rank 0 tells the group at the start of a step
 
 

@@ -19,7 +19,6 @@ Both measured: docs/architecture.md, "Cores and threads".
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 
 # mallopt(3) parameters (glibc's malloc.h)
@@ -42,10 +41,7 @@ def retain_freed_memory() -> bool:
     the kernel (mallopt: trim threshold, top pad, mmap threshold). Called once a role is built,
     beside `freeze_startup_heap`; False where the C library is not glibc (nothing changed).
     Costs up to TRIM_THRESHOLD of resident memory a process that it would otherwise give back."""
-    path = ctypes.util.find_library("c")
-    if path is None:
-        return False
-    libc = ctypes.CDLL(path)
+    libc = ctypes.CDLL(None)  # the process's own symbols: the C library it runs on
     if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
         return False
     settings = (
