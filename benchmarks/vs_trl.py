@@ -37,6 +37,14 @@ which it reached 0.5 and 0.7 are recorded too), or `--max-steps`.
 Start-up (process start to clock start) is reported apart for both. Tokens/s: completion tokens
 trained per second of clock time, up to the 0.9 step (or the last step).
 
+Repeats (`--repeats N`): Sluice's sampling depends on which weights version each rollout holds
+at each moment, i.e. on timing, so one run of a seed is one draw; whether a run escapes the
+copy task's 0.75 plateau (architecture.md, "Steps to a reward are a distribution over seeds")
+changes from draw to draw. Each seed then gets N Sluice runs against its one TRL run (TRL's
+steps to 0.9 repeated exactly per seed across sessions), a row each; the summary says in how
+many of the N passes over the seeds Sluice was faster on every seed, and whether its share of
+runs at 0.9 was at least TRL's at every wall time (the plot's bottom panel).
+
 Mapping of every setting (Sluice: `sluice run` overrides on top of `--sluice-config`,
 default configs/quickstart.yaml; TRL 1.16.0: GRPOConfig / trainer arguments):
 
@@ -87,10 +95,12 @@ the token count of the whole generation batch, which is what Sluice's token aggr
 tokens: the same number with one process and no accumulation, as here; "grpo" is per-sequence.
 
     .venv/bin/python benchmarks/vs_trl.py [--seeds 0 1 2] [--tasks copy reverse] [--max-steps 1500]
-        [--out DIR] [--skip-trl] [--quick] [--sluice-config PATH] [--sluice-override KEY=VALUE ...]
+        [--out DIR] [--skip-trl] [--repeats N] [--quick] [--sluice-config PATH]
+        [--sluice-override KEY=VALUE ...]
 
-Writes DIR/vs_trl.json and DIR/vs_trl.png (reward vs wall time, both systems, every seed) and
-prints the tables. TRL is an optional peer: `bash scripts/setup_bench.sh` installs it.
+Writes DIR/vs_trl.json and DIR/vs_trl.png (reward vs wall time and vs steps, every run; the
+share of each system's runs at 0.9 by wall time) and prints the tables. TRL is an optional
+peer: `bash scripts/setup_bench.sh` installs it.
 `--quick` is a smoke run (one seed, one task, 6 steps, a short bound, `rollout.engine=hf` so no
 vLLM start-up): 35-60 s without TRL, 60-90 s with it, on this 2-core machine while others load it.
 """
@@ -336,13 +346,17 @@ def sluice_overrides(task: str, seed: int, model_dir: Path, run_dir: Path, max_s
 
 
 def run_sluice(spec: dict, progress: Progress) -> dict:
-    run_dir = Path(spec["work"]) / f"sluice-{spec['task']}-s{spec['seed']}"
+    repeat = f"-r{spec['repeat']}" if spec.get("repeat") else ""
+    run_dir = Path(spec["work"]) / f"sluice-{spec['task']}-s{spec['seed']}{repeat}"
     cmd = sluice_run_cmd(
         spec["sluice_config"],
         *sluice_overrides(spec["task"], spec["seed"], spec["model_dir"], run_dir, spec["max_steps"]),
         *spec["sluice_overrides"],
     )
-    watcher = Watcher(progress, f"sluice {spec['task']} seed {spec['seed']}", "reward_mean", "version")
+    label = f"sluice {spec['task']} seed {spec['seed']}" + (
+        f" #{spec['repeat']}" if spec.get("repeat") else ""
+    )
+    watcher = Watcher(progress, label, "reward_mean", "version")
     load_before = os.getloadavg()[0]
     with (Path(spec["work"]) / f"{run_dir.name}.log").open("w") as log:
         t_launch = time.time()
@@ -724,36 +738,80 @@ def cross_cell(run: dict, thr: float) -> str:
 
 
 def summarize(runs: list[dict], tasks: list[str], seeds: list[int]) -> dict:
-    """Per task, per seed: time and steps to 0.9 for each system, Sluice/TRL ratios, medians.
-    A system that stopped (max steps) short of the threshold would have taken longer than its
-    whole run: where only one reached it, the ratio is a bound (`censored`: Sluice/TRL is at
-    most it when only Sluice reached, at least it when only TRL did). The medians and the
-    every-seed verdict err against Sluice: an upper bound counts as its value, a lower bound as
-    larger than any ratio (a Sluice run that stopped short is never "faster"; a median that
-    falls on one is None)."""
+    """Per task, a row per Sluice run (each seed's repeats) against the seed's TRL run: time and
+    steps to 0.9 for each system, Sluice/TRL ratios, medians over the rows. A system that
+    stopped (max steps) short of the threshold would have taken longer than its whole run:
+    where only one reached it, the ratio is a bound (`censored`: Sluice/TRL is at most it when
+    only Sluice reached, at least it when only TRL did). The medians and the every-seed verdicts
+    err against Sluice: an upper bound counts as its value, a lower bound as larger than any
+    ratio (a Sluice run that stopped short is never "faster"; a median that falls on one is
+    None). `faster_every_seed_by_repeat`: the verdict for each repeat's set of runs, i.e. how
+    often one pass over the seeds would have found Sluice faster on all of them."""
     out = {}
     for task in tasks:
-        per_seed = []
-        for seed in seeds:
-            pair = {r["system"]: r for r in runs if r["task"] == task and r["seed"] == seed}
-            row = {"seed": seed}
-            for system, r in pair.items():
+        per_seed = [row for seed in seeds for row in seed_rows(runs, task, seed)]
+        ratios = [against_sluice(r, "time_ratio") for r in per_seed if "time_ratio" in r]
+        steps_ratios = [against_sluice(r, "steps_ratio") for r in per_seed if "steps_ratio" in r]
+        repeats = sorted({r["repeat"] for r in per_seed})
+        out[task] = {
+            "per_seed": per_seed,
+            "over_seeds": {
+                "sluice": over_seeds(per_seed, "sluice"),
+                "trl": over_seeds([r for r in per_seed if r["repeat"] == repeats[0]], "trl"),
+            },
+            "median_time_ratio": finite_median(ratios),
+            "median_steps_ratio": finite_median(steps_ratios),
+            "sluice_faster_every_seed": faster_on_all(per_seed),
+            "faster_every_seed_by_repeat": [
+                faster_on_all([r for r in per_seed if r["repeat"] == k]) for k in repeats
+            ],
+            "sluice_ahead_at_every_time": ahead_at_every_time([r for r in runs if r["task"] == task]),
+        }
+    return out
+
+
+def reached_share(runs: list[dict], system: str, t: float) -> float:
+    """The share of `system`'s runs whose trailing mean had reached the threshold by time t."""
+    own = [r for r in runs if r["system"] == system]
+    hits = [c for r in own if (c := r["crossings"].get(str(STOP_AT))) and c["time_s"] <= t]
+    return len(hits) / len(own) if own else 0.0
+
+
+def ahead_at_every_time(runs: list[dict]) -> bool | None:
+    """Whether, at every wall time, at least as large a share of Sluice's runs as of TRL's had
+    reached the threshold (the bottom panel of the plot; a run that stopped short never does):
+    "faster" for the two distributions the seeds draw from, which a single pass over a few
+    seeds only samples. None without runs of both systems."""
+    if not {"sluice", "trl"} <= {r["system"] for r in runs}:
+        return None
+    times = {c["time_s"] for r in runs if (c := r["crossings"].get(str(STOP_AT)))}
+    return all(reached_share(runs, "sluice", t) >= reached_share(runs, "trl", t) for t in times)
+
+
+def seed_rows(runs: list[dict], task: str, seed: int) -> list[dict]:
+    """One row per Sluice run of the seed (its repeats, in order), each against the seed's one
+    TRL run; a single row where Sluice did not run."""
+    mine = [r for r in runs if r["task"] == task and r["seed"] == seed]
+    trl = next((r for r in mine if r["system"] == "trl"), None)
+    sluice = sorted((r for r in mine if r["system"] == "sluice"), key=lambda r: r.get("repeat", 0))
+    rows = []
+    for s in sluice or [None]:
+        row: dict[str, Any] = {"seed": seed, "repeat": s.get("repeat", 0) if s else 0}
+        for system, r in (("sluice", s), ("trl", trl)):
+            if r is not None:
                 c = r["crossings"].get(str(STOP_AT))
                 last = r["curve"][-1] if r["curve"] else {"time_s": None, "step": None}
                 row[system] = {"time_s": c and c["time_s"], "steps": c and c["step"],
                                "ran_s": last["time_s"], "ran_steps": last["step"]}  # fmt: skip
-            row.update(seed_ratios(row.get("sluice", {}), row.get("trl", {})))
-            per_seed.append(row)
-        ratios = [against_sluice(r, "time_ratio") for r in per_seed if "time_ratio" in r]
-        steps_ratios = [against_sluice(r, "steps_ratio") for r in per_seed if "steps_ratio" in r]
-        out[task] = {
-            "per_seed": per_seed,
-            "over_seeds": {system: over_seeds(per_seed, system) for system in ("sluice", "trl")},
-            "median_time_ratio": finite_median(ratios),
-            "median_steps_ratio": finite_median(steps_ratios),
-            "sluice_faster_every_seed": len(ratios) == len(seeds) and all(x < 1 for x in ratios),
-        }
-    return out
+        row.update(seed_ratios(row.get("sluice", {}), row.get("trl", {})))
+        rows.append(row)
+    return rows
+
+
+def faster_on_all(rows: list[dict]) -> bool:
+    """Whether Sluice was faster than TRL in every row (a row with no verdict counts as not)."""
+    ratios = [against_sluice(r, "time_ratio") for r in rows if "time_ratio" in r]
+    return bool(rows) and len(ratios) == len(rows) and all(x < 1 for x in ratios)
 
 
 def against_sluice(row: dict, key: str) -> float:
@@ -768,18 +826,18 @@ def finite_median(values: list[float]) -> float | None:
 
 
 def over_seeds(per_seed: list[dict], system: str) -> dict:
-    """One system's steps and time to the threshold as a distribution over the seeds: how many
-    reached it, and the medians with a run that stopped short counted as slower than any that
-    reached it (None when half or more stopped short). Which seeds are lucky is a matter of
-    each system's own random streams, so this, not seed against seed, compares sample
-    efficiency."""
+    """One system's steps and time to the threshold as a distribution over its runs (seeds and
+    repeats): how many reached it, and the medians with a run that stopped short counted as
+    slower than any that reached it (None when half or more stopped short). Which seeds are
+    lucky is a matter of each system's own random streams, so this, not seed against seed,
+    compares sample efficiency."""
     rows = [r[system] for r in per_seed if system in r]
     reached_rows = [r for r in rows if r["steps"]]
 
     def censored_median(key: str) -> float | None:
         return finite_median([r[key] for r in reached_rows] + [math.inf] * (len(rows) - len(reached_rows)))
 
-    return {"seeds": len(rows), "reached": len(reached_rows),
+    return {"runs": len(rows), "reached": len(reached_rows),
             "median_steps": censored_median("steps"), "median_time_s": censored_median("time_s")}  # fmt: skip
 
 
@@ -806,7 +864,7 @@ def against_bound(runs: list[dict], bound: dict) -> list[dict]:
         wall = r.get("s_per_step")
         b = r.get("bound_s_per_step", bound["bound_s_per_step"])
         rows.append({
-            "task": r["task"], "seed": r["seed"], "bound_s_per_step": b,
+            "task": r["task"], "seed": r["seed"], "repeat": r.get("repeat", 0), "bound_s_per_step": b,
             "median_step_s": step_s, "median_step_over_bound": step_s / b if step_s else None,
             "wall_s_per_step": wall, "wall_over_bound": wall / b if wall else None,
         })  # fmt: skip
@@ -885,17 +943,29 @@ def summary_table(summary: dict) -> Table:
             mark = {"at most": "<= ", "at least": ">= "}.get(row.get("censored", ""), "")
             keys = ("time_ratio", "steps_ratio")
             ratios = tuple(mark + fmt(row.get(k), ".2f") if k in row else "-" for k in keys)
-            table.add_row(task, str(row["seed"]), cell["sluice"], cell["trl"], *ratios)
+            table.add_row(task, run_label(row), cell["sluice"], cell["trl"], *ratios)
+        by_repeat = s["faster_every_seed_by_repeat"]
         faster = "yes" if s["sluice_faster_every_seed"] else "no"
+        if len(by_repeat) > 1:
+            faster += f" (in {sum(by_repeat)} of {len(by_repeat)} repeats)"
         table.add_row(task, "median", "", "", fmt(s["median_time_ratio"], ".2f"),
                       fmt(s["median_steps_ratio"], ".2f"), end_section=True)  # fmt: skip
         table.add_row(task, "Sluice faster on every seed", faster, "", "", "", end_section=True)
+        ahead = {True: "yes", False: "no", None: "-"}[s["sluice_ahead_at_every_time"]]
+        table.add_row(
+            task, f"share of runs at {STOP_AT} ahead at every time", ahead, "", "", "", end_section=True
+        )
         dist = {k: s["over_seeds"][k] for k in ("sluice", "trl")}
-        table.add_row(task, "reached / seeds", *(f"{d['reached']} / {d['seeds']}" for d in dist.values()))
-        table.add_row(task, "median over seeds", *(
+        table.add_row(task, "reached / runs", *(f"{d['reached']} / {d['runs']}" for d in dist.values()))
+        table.add_row(task, "median over runs", *(
             f"{fmt(d['median_time_s'])} ({fmt(d['median_steps'], '.0f')})" for d in dist.values()
         ), end_section=True)  # fmt: skip
     return table
+
+
+def run_label(row: dict) -> str:
+    """A seed, with the repeat where there are repeats: "4", "4 #2"."""
+    return f"{row['seed']} #{row['repeat']}" if row.get("repeat") else str(row["seed"])
 
 
 def bound_table(bound: dict) -> Table:
@@ -918,7 +988,7 @@ def against_bound_table(rows: list[dict]) -> Table:
         table.add_column(col)
     for r in rows:
         table.add_row(
-            r["task"], str(r["seed"]), fmt(r["bound_s_per_step"], ".4f"),
+            r["task"], run_label(r), fmt(r["bound_s_per_step"], ".4f"),
             fmt(r["median_step_s"], ".4f"), fmt(r["median_step_over_bound"], ".2f"),
             fmt(r["wall_s_per_step"], ".4f"), fmt(r["wall_over_bound"], ".2f"),
         )  # fmt: skip
@@ -926,23 +996,26 @@ def against_bound_table(rows: list[dict]) -> Table:
 
 
 def plot(runs: list[dict], tasks: list[str], path: Path) -> None:
-    """Reward (5-step trailing mean) vs wall time (top) and vs steps (bottom), every run, one
-    column per task."""
+    """Reward (5-step trailing mean) vs wall time (top) and vs steps (middle), every run, and
+    the share of each system's runs at the threshold by each time (bottom), one column per
+    task."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6 * len(tasks), 7.5), layout="constrained")
-    axes = fig.subplots(2, len(tasks), squeeze=False)
+    fig = Figure(figsize=(6 * len(tasks), 11), layout="constrained")
+    axes = fig.subplots(3, len(tasks), squeeze=False)
     colors = {"sluice": "tab:blue", "trl": "tab:orange"}
     styles = ["-", "--", ":", "-."]
     for col, task in enumerate(tasks):
-        for r in (r for r in runs if r["task"] == task and r["curve"]):
+        mine = [r for r in runs if r["task"] == task]
+        for r in (r for r in mine if r["curve"]):
             means = trailing_means([c["reward"] for c in r["curve"]])
             pts = [(c["time_s"], c["step"], m) for c, m in zip(r["curve"], means) if m is not None]
             if not pts:
                 continue
             times, steps, values = zip(*pts)
             style = {"color": colors[r["system"]], "ls": styles[r["seed"] % len(styles)], "alpha": 0.85}
-            axes[0][col].plot(times, values, label=f"{r['system']} seed {r['seed']}", **style)
+            label = f"{r['system']} seed {run_label(r)}"
+            axes[0][col].plot(times, values, label=label if not r.get("repeat") else None, **style)
             axes[1][col].plot(steps, values, **style)
         for row, xlabel in enumerate(
             ("wall time since the first generation (s)", "step (optimizer updates)")
@@ -950,10 +1023,27 @@ def plot(runs: list[dict], tasks: list[str], path: Path) -> None:
             ax = axes[row][col]
             ax.axhline(STOP_AT, color="gray", ls="--", lw=0.8)
             ax.set(xlabel=xlabel, ylabel=f"reward ({WINDOW}-step trailing mean)", ylim=(0, 1.02))
+        plot_reached_by_time(axes[2][col], mine, colors)
         axes[0][col].set_title(f"{task} (length {TASK_LENGTH})")
         axes[0][col].legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
+
+
+def plot_reached_by_time(ax, runs: list[dict], colors: dict[str, str]) -> None:
+    """Per system, the share of its runs whose trailing mean had reached the threshold by each
+    wall time (a run that stopped short never counts): the distribution the seeds draw from."""
+    for system, color in colors.items():
+        own = [r for r in runs if r["system"] == system]
+        times = sorted(c["time_s"] for r in own if (c := r["crossings"].get(str(STOP_AT))))
+        if not own:
+            continue
+        xs = [0.0, *times]
+        ys = [i / len(own) for i in range(len(times) + 1)]
+        ax.step(xs, ys, where="post", color=color, label=f"{system}: {len(times)} of {len(own)} runs")
+    ax.set(xlabel="wall time since the first generation (s)", ylabel=f"share of runs at {STOP_AT}",
+           ylim=(0, 1.02))  # fmt: skip
+    ax.legend(fontsize=7)
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -967,6 +1057,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl")
     p.add_argument("--skip-trl", action="store_true", help="run Sluice (and the bound) only")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="Sluice runs per seed (TRL runs once: deterministic)"
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: one seed, one task, a few steps")
     p.add_argument("--sluice-config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
     p.add_argument("--sluice-override", action="append", default=[], metavar="KEY=VALUE",
@@ -975,6 +1068,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep-work", type=Path, help="keep run directories and logs here (default: a temp dir)")
     p.add_argument("--trl-worker", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.quick:
         args.seeds, args.tasks, args.max_steps, args.bound_repeats = args.seeds[:1], args.tasks[:1], 6, 3
         args.sluice_override = ["rollout.engine=hf", *args.sluice_override]
@@ -982,7 +1077,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_all(args, model_dir: Path, work: Path, console: Console) -> list[dict]:
-    """Every (task, seed) pair, TRL and Sluice interleaved; which goes first alternates."""
+    """Every (task, seed) pair: TRL once (it is deterministic per seed), Sluice `--repeats`
+    times (its sampling depends on timing); which system goes first alternates."""
     runs = []
     with Progress(TextColumn("{task.description}"), TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                   console=console) as progress:  # fmt: skip
@@ -992,10 +1088,11 @@ def run_all(args, model_dir: Path, work: Path, console: Console) -> list[dict]:
                 "max_steps": args.max_steps, "timeout_s": args.timeout,
                 "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
             }  # fmt: skip
-            systems = [run_sluice] if args.skip_trl else [run_trl, run_sluice]
-            for run in systems if i % 2 == 0 else systems[::-1]:
-                result = bracketed(run, spec, progress, model_dir, args.bound_repeats)
-                runs.append({"task": task, "seed": seed, **result})
+            order = [(run_sluice, k) for k in range(args.repeats)]
+            order = order if args.skip_trl else [(run_trl, 0), *order]
+            for run, repeat in order if i % 2 == 0 else order[::-1]:
+                result = bracketed(run, {**spec, "repeat": repeat}, progress, model_dir, args.bound_repeats)
+                runs.append({"task": task, "seed": seed, "repeat": repeat, **result})
     return runs
 
 
@@ -1057,7 +1154,7 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
         "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "temperature": TEMPERATURE,
         "stop_at": STOP_AT, "window": WINDOW, "thresholds": THRESHOLDS, "max_steps": args.max_steps,
         "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
-        "trl_threads": TRL_THREADS, "quick": args.quick,
+        "trl_threads": TRL_THREADS, "quick": args.quick, "repeats": args.repeats,
     }  # fmt: skip
     result = {
         "workload": workload,

@@ -3,6 +3,7 @@ smoke runs of --quick (Sluice and the bound; TRL too when it is installed)."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def test_a_seed_only_one_system_finished_counts_with_a_bound_against_sluice(benc
     assert s["sluice_faster_every_seed"] is False
     # over the seeds: a run that stopped short counts as slower than any that reached the bar
     sluice = s["over_seeds"]["sluice"]
-    assert sluice == {"seeds": 3, "reached": 1, "median_steps": None, "median_time_s": None}
+    assert sluice == {"runs": 3, "reached": 1, "median_steps": None, "median_time_s": None}
     assert s["over_seeds"]["trl"]["reached"] == 1
 
 
@@ -104,8 +105,63 @@ def test_the_distribution_over_seeds_counts_a_run_that_stopped_short_as_slowest(
             bench_run("trl", 0, 400, 25.0), bench_run("trl", 1, 200, 10.0),
             bench_run("trl", 2, 900, 50.0)]  # fmt: skip
     s = bench.summarize(runs, ["copy"], [0, 1, 2])["copy"]["over_seeds"]
-    assert s["sluice"] == {"seeds": 3, "reached": 2, "median_steps": 500, "median_time_s": 30.0}
-    assert s["trl"] == {"seeds": 3, "reached": 3, "median_steps": 400, "median_time_s": 25.0}
+    assert s["sluice"] == {"runs": 3, "reached": 2, "median_steps": 500, "median_time_s": 30.0}
+    assert s["trl"] == {"runs": 3, "reached": 3, "median_steps": 400, "median_time_s": 25.0}
+
+
+def test_repeats_are_rows_against_the_seeds_one_trl_run(bench):
+    """Seed 0: TRL 50 s; Sluice 40 s, then a run that stopped short. Seed 1: TRL 40 s; Sluice
+    20 s and 30 s. The first pass over the seeds was faster on both, the second was not."""
+    runs = [bench_run("trl", 0, 500, 50.0), {**bench_run("sluice", 0, 400, 40.0), "repeat": 0},
+            {**bench_run("sluice", 0, None, None, ran=(1000, 60.0)), "repeat": 1},
+            bench_run("trl", 1, 400, 40.0), {**bench_run("sluice", 1, 300, 30.0), "repeat": 1},
+            {**bench_run("sluice", 1, 200, 20.0), "repeat": 0}]  # fmt: skip
+    s = bench.summarize(runs, ["copy"], [0, 1])["copy"]
+    assert [(r["seed"], r["repeat"]) for r in s["per_seed"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r["trl"]["time_s"] for r in s["per_seed"]] == [50.0, 50.0, 40.0, 40.0]
+    assert [r["time_ratio"] for r in s["per_seed"]] == pytest.approx([0.8, 1.2, 0.5, 0.75])
+    assert s["per_seed"][1]["censored"] == "at least"
+    assert s["faster_every_seed_by_repeat"] == [True, False]
+    assert s["sluice_faster_every_seed"] is False
+    assert s["median_time_ratio"] == pytest.approx((0.75 + 0.8) / 2)  # 0.5, 0.75, 0.8 and > any
+    assert s["over_seeds"]["sluice"]["runs"] == 4 and s["over_seeds"]["sluice"]["reached"] == 3
+    assert s["over_seeds"]["trl"] == {"runs": 2, "reached": 2, "median_steps": 450, "median_time_s": 45.0}
+
+
+def test_ahead_at_every_time_compares_the_shares_of_runs_at_the_threshold(bench):
+    """Sluice reached it at 10 s and 20 s and stopped short once (1/3 by 10 s, 2/3 by 20 s); TRL
+    at 15 s and 30 s (1/2 by 15 s): at 15 s TRL's share is larger, so Sluice is not ahead at
+    every time, though it was faster on both seeds where both reached the bar."""
+    sluice = [{**bench_run("sluice", 0, 100, 10.0), "repeat": 0},
+              {**bench_run("sluice", 1, 200, 20.0), "repeat": 0},
+              {**bench_run("sluice", 0, None, None, ran=(1000, 40.0)), "repeat": 1}]  # fmt: skip
+    trl = [bench_run("trl", 0, 150, 15.0), bench_run("trl", 1, 300, 30.0)]
+    assert bench.reached_share(sluice, "sluice", 15.0) == pytest.approx(1 / 3)
+    assert bench.ahead_at_every_time(sluice + trl) is False
+    # the run that stopped short reaches it at 12 s instead: 2/3 by 12 s, then 1 by 20 s
+    sluice[2] = {**bench_run("sluice", 0, 120, 12.0), "repeat": 1}
+    assert bench.ahead_at_every_time(sluice + trl) is True
+    assert bench.summarize(sluice + trl, ["copy"], [0, 1])["copy"]["sluice_ahead_at_every_time"] is True
+    assert bench.ahead_at_every_time(sluice) is None  # no TRL runs: no verdict
+
+
+def test_each_seed_runs_trl_once_and_sluice_repeats_times(bench, monkeypatch, tmp_path):
+    calls = []
+
+    def fake_bracketed(run, spec, progress, model_dir, repeats):
+        calls.append((spec["seed"], run.__name__, spec["repeat"]))
+        return {"system": run.__name__}
+
+    monkeypatch.setattr(bench, "bracketed", fake_bracketed)
+    args = bench.argparse.Namespace(
+        tasks=["copy"], seeds=[0, 1], repeats=2, skip_trl=False, max_steps=5, timeout=1.0,
+        sluice_config="c.yaml", sluice_override=[], bound_repeats=1,
+    )  # fmt: skip
+    runs = bench.run_all(args, tmp_path, tmp_path, bench.Console(file=io.StringIO()))
+    # TRL first on even pairs, last on odd ones; each result is tagged with its repeat
+    assert calls == [(0, "run_trl", 0), (0, "run_sluice", 0), (0, "run_sluice", 1),
+                     (1, "run_sluice", 1), (1, "run_sluice", 0), (1, "run_trl", 0)]  # fmt: skip
+    assert [(r["seed"], r["repeat"]) for r in runs] == [(s, k) for s, _, k in calls]
 
 
 def run_quick(tmp_path: Path, *extra: str, timeout_s: float) -> dict:
