@@ -108,6 +108,7 @@ vLLM start-up): 35-60 s without TRL, 60-90 s with it, on this 2-core machine whi
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import importlib.util
 import json
@@ -353,10 +354,7 @@ def run_sluice(spec: dict, progress: Progress) -> dict:
         *sluice_overrides(spec["task"], spec["seed"], spec["model_dir"], run_dir, spec["max_steps"]),
         *spec["sluice_overrides"],
     )
-    label = f"sluice {spec['task']} seed {spec['seed']}" + (
-        f" #{spec['repeat']}" if spec.get("repeat") else ""
-    )
-    watcher = Watcher(progress, label, "reward_mean", "version")
+    watcher = Watcher(progress, f"sluice {spec['task']} seed {run_label(spec)}", "reward_mean", "version")
     load_before = os.getloadavg()[0]
     with (Path(spec["work"]) / f"{run_dir.name}.log").open("w") as log:
         t_launch = time.time()
@@ -770,11 +768,17 @@ def summarize(runs: list[dict], tasks: list[str], seeds: list[int]) -> dict:
     return out
 
 
+def reach_times(runs: list[dict], system: str) -> tuple[list[float], int]:
+    """When each of `system`'s runs reached the threshold (sorted; a run that stopped short is
+    absent), and how many runs it had."""
+    own = [r for r in runs if r["system"] == system]
+    return sorted(c["time_s"] for r in own if (c := r["crossings"].get(str(STOP_AT)))), len(own)
+
+
 def reached_share(runs: list[dict], system: str, t: float) -> float:
     """The share of `system`'s runs whose trailing mean had reached the threshold by time t."""
-    own = [r for r in runs if r["system"] == system]
-    hits = [c for r in own if (c := r["crossings"].get(str(STOP_AT))) and c["time_s"] <= t]
-    return len(hits) / len(own) if own else 0.0
+    times, n = reach_times(runs, system)
+    return bisect.bisect_right(times, t) / n if n else 0.0
 
 
 def ahead_at_every_time(runs: list[dict]) -> bool | None:
@@ -784,7 +788,7 @@ def ahead_at_every_time(runs: list[dict]) -> bool | None:
     seeds only samples. None without runs of both systems."""
     if not {"sluice", "trl"} <= {r["system"] for r in runs}:
         return None
-    times = {c["time_s"] for r in runs if (c := r["crossings"].get(str(STOP_AT)))}
+    times = {*reach_times(runs, "sluice")[0], *reach_times(runs, "trl")[0]}
     return all(reached_share(runs, "sluice", t) >= reached_share(runs, "trl", t) for t in times)
 
 
@@ -1034,13 +1038,11 @@ def plot_reached_by_time(ax, runs: list[dict], colors: dict[str, str]) -> None:
     """Per system, the share of its runs whose trailing mean had reached the threshold by each
     wall time (a run that stopped short never counts): the distribution the seeds draw from."""
     for system, color in colors.items():
-        own = [r for r in runs if r["system"] == system]
-        times = sorted(c["time_s"] for r in own if (c := r["crossings"].get(str(STOP_AT))))
-        if not own:
+        times, n = reach_times(runs, system)
+        if not n:
             continue
-        xs = [0.0, *times]
-        ys = [i / len(own) for i in range(len(times) + 1)]
-        ax.step(xs, ys, where="post", color=color, label=f"{system}: {len(times)} of {len(own)} runs")
+        ys = [i / n for i in range(len(times) + 1)]
+        ax.step([0.0, *times], ys, where="post", color=color, label=f"{system}: {len(times)} of {n} runs")
     ax.set(xlabel="wall time since the first generation (s)", ylabel=f"share of runs at {STOP_AT}",
            ylim=(0, 1.02))  # fmt: skip
     ax.legend(fontsize=7)

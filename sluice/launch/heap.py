@@ -40,7 +40,7 @@ def retain_freed_memory() -> bool:
     """Make glibc's malloc keep what a role frees for its next step instead of returning it to
     the kernel (mallopt: trim threshold, top pad, mmap threshold). Called once a role is built,
     beside `freeze_startup_heap`; False where the C library is not glibc (nothing changed).
-    Costs up to TRIM_THRESHOLD of resident memory a process that it would otherwise give back."""
+    Costs a process up to TRIM_THRESHOLD of resident memory that it would otherwise give back."""
     libc = ctypes.CDLL(None)  # the process's own symbols: the C library it runs on
     if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
         return False
