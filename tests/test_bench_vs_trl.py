@@ -164,6 +164,15 @@ def test_each_seed_runs_trl_once_and_sluice_repeats_times(bench, monkeypatch, tm
     assert [(r["seed"], r["repeat"]) for r in runs] == [(s, k) for s, _, k in calls]
 
 
+@pytest.mark.parametrize("repeats", ["0", "-1"])
+def test_fewer_than_one_repeat_is_refused_naming_the_flag(bench, monkeypatch, capsys, repeats):
+    monkeypatch.setattr(bench.sys, "argv", ["vs_trl.py", "--repeats", repeats])
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args()
+    assert exit_.value.code == 2
+    assert f"--repeats must be at least 1, got {repeats}" in capsys.readouterr().err
+
+
 def run_quick(tmp_path: Path, *extra: str, timeout_s: float) -> dict:
     run_script(["benchmarks/vs_trl.py", "--quick", "--out", str(tmp_path), *extra], timeout_s, columns=180)
     assert (tmp_path / "vs_trl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
