@@ -111,8 +111,15 @@ def test_ray_run_trains_with_every_role_a_separate_ray_process(tmp_path, process
 
 def test_killed_rollout_is_restarted_and_training_continues(tmp_path, process_reaper):
     run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    # one rollout service: the steps after the kill can only be fed by its replacement (with two,
+    # the survivor could finish the run before the replacement's first batch: CI failure, stop 30)
     proc = start_ray_run(
-        run_dir, log, "learner.total_steps=60", "weight_sync.timeout_s=20", "rollout.max_restarts=2"
+        run_dir,
+        log,
+        "learner.total_steps=60",
+        "weight_sync.timeout_s=20",
+        "rollout.max_restarts=2",
+        "rollout.services=1",
     )
     process_reaper.append(proc)
     alive = running({"sluice ray": proc}, lambda _: log.read_text()[-3000:])
