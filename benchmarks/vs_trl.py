@@ -45,6 +45,11 @@ steps to 0.9 repeated exactly per seed across sessions), a row each; the summary
 many of the N passes over the seeds Sluice was faster on every seed, and whether its share of
 runs at 0.9 was at least TRL's at every wall time (the plot's bottom panel).
 
+Group (`--group N`, default 8): completions per prompt in both systems, a step being 8 prompts
+x N (rollout.group_size / learner.batch_size; num_generations / per_device_train_batch_size),
+and the bound measured on that batch. A larger group makes the copy task's plateau rarer
+(architecture.md, the same section), so the comparison depends less on which seed is lucky.
+
 Mapping of every setting (Sluice: `sluice run` overrides on top of `--sluice-config`,
 default configs/quickstart.yaml; TRL 1.16.0: GRPOConfig / trainer arguments):
 
@@ -95,7 +100,7 @@ the token count of the whole generation batch, which is what Sluice's token aggr
 tokens: the same number with one process and no accumulation, as here; "grpo" is per-sequence.
 
     .venv/bin/python benchmarks/vs_trl.py [--seeds 0 1 2] [--tasks copy reverse] [--max-steps 1500]
-        [--out DIR] [--skip-trl] [--repeats N] [--quick] [--sluice-config PATH]
+        [--out DIR] [--skip-trl] [--repeats N] [--group N] [--quick] [--sluice-config PATH]
         [--sluice-override KEY=VALUE ...]
 
 Writes DIR/vs_trl.json and DIR/vs_trl.png (reward vs wall time and vs steps, every run; the
@@ -149,8 +154,7 @@ MODEL_INIT = {
     "seed": 0,
 }
 TASK_LENGTH = 3
-PROMPTS, GROUP = 8, 8
-BATCH = PROMPTS * GROUP
+PROMPTS, GROUP = 8, 8  # GROUP: the default of --group; a step's batch is PROMPTS x group
 MAX_NEW_TOKENS = 12
 TEMPERATURE = 1.0
 LR = 3e-4
@@ -312,22 +316,22 @@ class Watcher:
 # -- Sluice ------------------------------------------------------------------------------------
 
 
-def sluice_overrides(task: str, seed: int, model_dir: Path, run_dir: Path, max_steps: int) -> list[str]:
-    lc = LEARNER
+def sluice_overrides(spec: dict, run_dir: Path) -> list[str]:
+    lc, group = LEARNER, spec["group"]
     return [
         f"run.dir={run_dir}",
-        f"run.seed={seed}",
-        f"rollout.seed={seed}",
-        f"model.path={model_dir}",
+        f"run.seed={spec['seed']}",
+        f"rollout.seed={spec['seed']}",
+        f"model.path={spec['model_dir']}",
         "model.dtype=float32",
-        f"task.name={task}",
+        f"task.name={spec['task']}",
         f"task.params={{length: {TASK_LENGTH}}}",
         f"rollout.prompts_per_batch={PROMPTS}",
-        f"rollout.group_size={GROUP}",
-        f"learner.batch_size={BATCH}",
+        f"rollout.group_size={group}",
+        f"learner.batch_size={PROMPTS * group}",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
         f"rollout.temperature={TEMPERATURE}",
-        f"learner.total_steps={max_steps}",
+        f"learner.total_steps={spec['max_steps']}",
         f"learner.lr={LR}",
         "learner.lr_schedule=constant",
         "learner.warmup_steps=0",
@@ -351,7 +355,7 @@ def run_sluice(spec: dict, progress: Progress) -> dict:
     run_dir = Path(spec["work"]) / f"sluice-{spec['task']}-s{spec['seed']}{repeat}"
     cmd = sluice_run_cmd(
         spec["sluice_config"],
-        *sluice_overrides(spec["task"], spec["seed"], spec["model_dir"], run_dir, spec["max_steps"]),
+        *sluice_overrides(spec, run_dir),
         *spec["sluice_overrides"],
     )
     watcher = Watcher(progress, f"sluice {spec['task']} seed {run_label(spec)}", "reward_mean", "version")
@@ -491,9 +495,9 @@ def grpo_config(spec: dict):
     lc = LEARNER
     return GRPOConfig(
         output_dir=spec["output_dir"],
-        per_device_train_batch_size=BATCH,
+        per_device_train_batch_size=PROMPTS * spec["group"],
         gradient_accumulation_steps=1,
-        num_generations=GROUP,
+        num_generations=spec["group"],
         max_completion_length=MAX_NEW_TOKENS,
         temperature=TEMPERATURE,
         top_p=1.0,
@@ -527,7 +531,7 @@ def grpo_config(spec: dict):
     )
 
 
-def timed_trainer(log, timing: dict[str, float]):
+def timed_trainer(log, timing: dict[str, float], batch: int):
     """GRPOTrainer with perf_counter timers around generation and training_step, and a callback
     that logs each step and stops training at the threshold."""
     from transformers import TrainerCallback
@@ -564,19 +568,19 @@ def timed_trainer(log, timing: dict[str, float]):
             if not logs or "reward" not in logs:
                 return
             self.rewards.append(float(logs["reward"]))
-            log.write(trl_step_record(state.global_step, logs, timing))
+            log.write(trl_step_record(state.global_step, logs, timing, batch))
             if reached(self.rewards):
                 control.should_training_stop = True
 
     return TimedGRPOTrainer, RewardClock()
 
 
-def trl_step_record(step: int, logs: dict, timing: dict[str, float]) -> dict:
+def trl_step_record(step: int, logs: dict, timing: dict[str, float], batch: int) -> dict:
     return {
         "step": step,
         "time_s": time.perf_counter() - timing["t0"],
         "reward": float(logs["reward"]),
-        "tokens": round(float(logs["completions/mean_length"]) * BATCH),
+        "tokens": round(float(logs["completions/mean_length"]) * batch),
         "generate_s": timing["generate_s"],
         "train_s": timing["training_step_s"] - timing["generate_s"],
         "optim_s": timing["step_s"] - timing["training_step_s"],
@@ -599,7 +603,7 @@ def trl_worker(spec_path: Path) -> None:
     task = make_task(spec["task"], spec["seed"] * TASK_SEED)
     dataset = trl_dataset(task, tokenizer, rows=PROMPTS * spec["max_steps"])
     timing: dict[str, float] = {}
-    trainer_cls, callback = timed_trainer(log, timing)
+    trainer_cls, callback = timed_trainer(log, timing, PROMPTS * spec["group"])
     trainer = trainer_cls(
         model=model,
         reward_funcs=make_reward(task, tokenizer.eos_token_id),
@@ -627,24 +631,24 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def bound_batch(tokenizer, vocab: int):
-    """64 prompts of the copy task, each followed by 12 random completion tokens (right-padded
-    to one width, as the learner's collate pads)."""
+def bound_batch(tokenizer, vocab: int, batch: int):
+    """`batch` prompts of the copy task, each followed by 12 random completion tokens
+    (right-padded to one width, as the learner's collate pads)."""
     import torch
 
     task = make_task("copy", 0)
     prompts = [
         [tokenizer.bos_token_id, *tokenizer.encode(p.text, add_special_tokens=False)]
-        for p in task.sample(BATCH)
+        for p in task.sample(batch)
     ]
     gen = torch.Generator().manual_seed(0)
     rows = [p + torch.randint(4, vocab, (MAX_NEW_TOKENS,), generator=gen).tolist() for p in prompts]
     width = max(len(r) for r in rows)
-    ids = torch.full((BATCH, width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((BATCH, width), dtype=torch.long)
+    ids = torch.full((batch, width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((batch, width), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-    completion = torch.zeros((BATCH, width - 1))
+    completion = torch.zeros((batch, width - 1))
     for i, (p, r) in enumerate(zip(prompts, rows)):
         completion[i, len(p) - 1 : len(r) - 1] = 1  # targets that are completion tokens
     prompt_ids = torch.tensor(prompts)  # every prompt has the same length here
@@ -690,16 +694,16 @@ def generate_fn(model, prompt_ids) -> Callable[[], None]:
 
 
 def measure_bound(
-    model_dir: Path, repeats: int, warmup: int, thread_counts: tuple[int, ...] = (1, 2)
+    model_dir: Path, repeats: int, warmup: int, batch: int, thread_counts: tuple[int, ...] = (1, 2)
 ) -> dict:
-    """Plain torch's train step and sampling, each the median of `repeats`, at each of
-    `thread_counts` (which must hold 1: the bound per step is at one thread a phase)."""
+    """Plain torch's train step and sampling of `batch` sequences, each the median of `repeats`,
+    at each of `thread_counts` (which must hold 1: the bound per step is at one thread a phase)."""
     import torch
 
     from sluice.modeling import load_policy
 
     model, tokenizer = load_policy(model_dir)
-    ids, mask, completion, prompt_ids = bound_batch(tokenizer, model.config.vocab_size)
+    ids, mask, completion, prompt_ids = bound_batch(tokenizer, model.config.vocab_size, batch)
     trained = copy.deepcopy(model).train()
     model.eval()
     threads_before = torch.get_num_threads()
@@ -718,7 +722,7 @@ def measure_bound(
         "bound_s_per_step": max(out["train_s"]["1"], out["generate_s"]["1"]),
         "repeats": repeats,
         "warmup": warmup,
-        "sequences": BATCH,
+        "sequences": batch,
         "tokens_per_sequence": int(ids.shape[1]),
     }
 
@@ -980,7 +984,9 @@ def bound_table(bound: dict) -> Table:
         table.add_column(col)
     table.add_row("train step", fmt(bound["train_s"]["1"], ".4f"), fmt(bound["train_s"]["2"], ".4f"))
     table.add_row(
-        "generate 64 x 12", fmt(bound["generate_s"]["1"], ".4f"), fmt(bound["generate_s"]["2"], ".4f")
+        f"generate {bound['sequences']} x {MAX_NEW_TOKENS}",
+        fmt(bound["generate_s"]["1"], ".4f"),
+        fmt(bound["generate_s"]["2"], ".4f"),
     )
     table.add_row("bound per step", fmt(bound["bound_s_per_step"], ".4f"), "max(train@1, generate@1)")
     return table
@@ -1062,6 +1068,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--repeats", type=int, default=1, help="Sluice runs per seed (TRL runs once: deterministic)"
     )
+    p.add_argument("--group", type=int, default=GROUP,
+                   help=f"completions per prompt, both systems (a step: {PROMPTS} prompts x it)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="smoke run: one seed, one task, a few steps")
     p.add_argument("--sluice-config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
     p.add_argument("--sluice-override", action="append", default=[], metavar="KEY=VALUE",
@@ -1072,6 +1080,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.group < 2:
+        p.error(f"--group must be at least 2 (group advantages need two completions), got {args.group}")
     if args.quick:
         args.seeds, args.tasks, args.max_steps, args.bound_repeats = args.seeds[:1], args.tasks[:1], 6, 3
         args.sluice_override = ["rollout.engine=hf", *args.sluice_override]
@@ -1087,7 +1097,7 @@ def run_all(args, model_dir: Path, work: Path, console: Console) -> list[dict]:
         for i, (task, seed) in enumerate((t, s) for t in args.tasks for s in args.seeds):
             spec = {
                 "task": task, "seed": seed, "model_dir": str(model_dir), "work": str(work),
-                "max_steps": args.max_steps, "timeout_s": args.timeout,
+                "max_steps": args.max_steps, "timeout_s": args.timeout, "group": args.group,
                 "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
             }  # fmt: skip
             order = [(run_sluice, k) for k in range(args.repeats)]
@@ -1103,9 +1113,10 @@ def bracketed(run, spec: dict, progress: Progress, model_dir: Path, repeats: int
     speed drifts by +-15% over minutes, so each run is set against the mean of the two."""
     if run is not run_sluice:
         return run(spec, progress)
-    before = measure_bound(model_dir, repeats, 2, (1,))["bound_s_per_step"]
+    batch = PROMPTS * spec["group"]
+    before = measure_bound(model_dir, repeats, 2, batch, (1,))["bound_s_per_step"]
     result = run(spec, progress)
-    after = measure_bound(model_dir, repeats, 2, (1,))["bound_s_per_step"]
+    after = measure_bound(model_dir, repeats, 2, batch, (1,))["bound_s_per_step"]
     return {
         **result,
         "bound_s_per_step": (before + after) / 2,
@@ -1135,7 +1146,7 @@ def main() -> None:
         params = build_model_dir(model_dir)
         console.print(f"model: {params:,} parameters, {json.dumps(MODEL_INIT)} -> {model_dir}")
         with console.status("bound: plain torch train step and sampling, 1 and 2 threads"):
-            bound = measure_bound(model_dir, args.bound_repeats, warmup=3 if args.quick else 5)
+            bound = measure_bound(model_dir, args.bound_repeats, 3 if args.quick else 5, PROMPTS * args.group)
         console.print(bound_table(bound))
         runs = run_all(args, model_dir, work, console)
     report(args, params, bound, runs, console)
@@ -1153,7 +1164,8 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
         console.print(table)
     workload = {
         "model_init": MODEL_INIT, "parameters": params, "task_length": TASK_LENGTH, "prompts": PROMPTS,
-        "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "temperature": TEMPERATURE,
+        "group": args.group, "batch": PROMPTS * args.group, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR,
+        "temperature": TEMPERATURE,
         "stop_at": STOP_AT, "window": WINDOW, "thresholds": THRESHOLDS, "max_steps": args.max_steps,
         "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
         "trl_threads": TRL_THREADS, "quick": args.quick, "repeats": args.repeats,

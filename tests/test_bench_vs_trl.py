@@ -150,12 +150,13 @@ def test_each_seed_runs_trl_once_and_sluice_repeats_times(bench, monkeypatch, tm
 
     def fake_bracketed(run, spec, progress, model_dir, repeats):
         calls.append((spec["seed"], run.__name__, spec["repeat"]))
+        assert spec["group"] == 16
         return {"system": run.__name__}
 
     monkeypatch.setattr(bench, "bracketed", fake_bracketed)
     args = bench.argparse.Namespace(
         tasks=["copy"], seeds=[0, 1], repeats=2, skip_trl=False, max_steps=5, timeout=1.0,
-        sluice_config="c.yaml", sluice_override=[], bound_repeats=1,
+        sluice_config="c.yaml", sluice_override=[], bound_repeats=1, group=16,
     )  # fmt: skip
     runs = bench.run_all(args, tmp_path, tmp_path, bench.Console(file=io.StringIO()))
     # TRL first on even pairs, last on odd ones; each result is tagged with its repeat
@@ -164,13 +165,29 @@ def test_each_seed_runs_trl_once_and_sluice_repeats_times(bench, monkeypatch, tm
     assert [(r["seed"], r["repeat"]) for r in runs] == [(s, k) for s, _, k in calls]
 
 
-@pytest.mark.parametrize("repeats", ["0", "-1"])
-def test_fewer_than_one_repeat_is_refused_naming_the_flag(bench, monkeypatch, capsys, repeats):
-    monkeypatch.setattr(bench.sys, "argv", ["vs_trl.py", "--repeats", repeats])
+@pytest.mark.parametrize(
+    ("flag", "value", "error"),
+    [("--repeats", "0", "--repeats must be at least 1, got 0"),
+     ("--repeats", "-1", "--repeats must be at least 1, got -1"),
+     ("--group", "1", "--group must be at least 2 (group advantages need two completions), got 1")],
+)  # fmt: skip
+def test_a_bad_repeat_or_group_count_is_refused_naming_the_flag(
+    bench, monkeypatch, capsys, flag, value, error
+):
+    monkeypatch.setattr(bench.sys, "argv", ["vs_trl.py", flag, value])
     with pytest.raises(SystemExit) as exit_:
         bench.parse_args()
     assert exit_.value.code == 2
-    assert f"--repeats must be at least 1, got {repeats}" in capsys.readouterr().err
+    assert error in capsys.readouterr().err
+
+
+def test_the_group_sets_both_systems_batch(bench, tmp_path):
+    spec = {"task": "copy", "seed": 3, "model_dir": "m", "max_steps": 9, "group": 16}
+    overrides = bench.sluice_overrides(spec, tmp_path)
+    assert {"rollout.group_size=16", "learner.batch_size=128", "rollout.prompts_per_batch=8"} <= set(
+        overrides
+    )
+    assert {"run.seed=3", "task.name=copy", "learner.total_steps=9", "model.path=m"} <= set(overrides)
 
 
 def run_quick(tmp_path: Path, *extra: str, timeout_s: float) -> dict:

@@ -69,15 +69,74 @@ print("ok")
 """
 
 
-def test_held_ports_are_never_handed_out_and_their_servers_still_bind():
+# The same range; a server process on a port that another process holds (as the Ray launcher's
+# PortKeeper holds a role's ports) is killed: the port stays out of the kernel's choices until
+# its replacement serves it there. Without the hold, the dead server's port is handed out.
+A_SERVER_DIES_ON_A_HELD_PORT = """
+import socket, subprocess, sys, zmq
+from sluice.net import HeldPorts
+
+with open("/proc/sys/net/ipv4/ip_local_port_range", "w") as f:
+    f.write("40000 40007")
+SERVE = (
+    "import sys, zmq; s = zmq.Context().socket(zmq.REP); s.bind(f'tcp://127.0.0.1:{sys.argv[1]}');"
+    "print('up', flush=True)\\nwhile True: s.send(s.recv())"
+)
+
+def kernel_choices(n):
+    seen = set()
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            seen.add(s.getsockname()[1])
+    return seen
+
+def serve_then_kill(port, ask=False):
+    server = subprocess.Popen([sys.executable, "-c", SERVE, str(port)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline() == "up\\n"
+    if ask:  # it serves on that port
+        ctx = zmq.Context()
+        req = ctx.socket(zmq.REQ)
+        req.connect(f"tcp://127.0.0.1:{port}")
+        req.send(b"ping")
+        assert req.poll(5000) and req.recv() == b"ping"
+        req.close(linger=0)
+        ctx.term()
+    server.kill()
+    server.wait()
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    unheld = s.getsockname()[1]
+serve_then_kill(unheld)
+assert unheld in kernel_choices(64), "the dead server's unheld port is handed out (the race)"
+
+with HeldPorts() as held:
+    port = held.take("127.0.0.1")
+    serve_then_kill(port)  # kill -9, as a role's process dies
+    assert port not in kernel_choices(64), "the kernel handed out a held port after its server died"
+    serve_then_kill(port, ask=True)  # the replacement binds it again and serves
+print("ok")
+"""
+
+
+def in_a_network_namespace(script: str) -> subprocess.CompletedProcess:
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a network namespace here: {probe.stderr.decode().strip()}")
-    proc = subprocess.run(
-        ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"', sys.executable,
-         IN_A_SMALL_PORT_RANGE],
+    return subprocess.run(
+        ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"', sys.executable, script],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+
+
+def test_held_ports_are_never_handed_out_and_their_servers_still_bind():
+    proc = in_a_network_namespace(IN_A_SMALL_PORT_RANGE)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_a_port_held_by_another_process_outlives_its_killed_server_and_serves_its_replacement():
+    proc = in_a_network_namespace(A_SERVER_DIES_ON_A_HELD_PORT)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 

@@ -58,7 +58,6 @@ class RoleActor:
         self.spec = spec
         self.name = spec.name
         self.stop = threading.Event()
-        self.ports = HeldPorts()  # held until the role has run: its servers bind them
         quiet_libraries()
         fmt = logging.Formatter(f"%(asctime)s {self.name} %(levelname)s %(name)s: %(message)s")
         log_dir = Path(run_dir) / "logs"
@@ -84,9 +83,6 @@ class RoleActor:
             "host": os.uname().nodename,
         }
 
-    def reserve_ports(self, n: int) -> list[int]:
-        return [self.ports.take() for _ in range(n)]
-
     def run(self, config: dict[str, Any]) -> int:
         """The role's main function, as the per-role command runs it (the plan's spec, from
         the resolved config: a learner rank's rendezvous address is known only now). A failure
@@ -108,11 +104,25 @@ class RoleActor:
             logging.getLogger(self.name).exception("%s failed", self.name)
             raise
         finally:
-            self.ports.close()
             write_role_ended(self.name, outcome)  # the driver waits for this line (ray_logs.py)
 
     def halt(self) -> None:
         self.stop.set()
+
+
+class PortKeeper:
+    """Holds a role's ports on its node for the whole run, from an actor of its own in the role's
+    bundle (no CPU): a role that dies and is replaced in its bundle binds the same ports again,
+    and the kernel hands them to no one in between (docs/architecture.md, "Ray launcher")."""
+
+    def __init__(self) -> None:
+        self.ports = HeldPorts()
+
+    def reserve(self, n: int) -> list[int]:
+        return [self.ports.take() for _ in range(n)]
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 @dataclass
@@ -127,6 +137,8 @@ class Placed:
     node: dict | None = None
     exit_code: int | None = None  # what its `run` returned, once it has
     died: bool = False  # its process died (so it wrote no last line)
+    keeper: Any = None  # the PortKeeper of its bundle, for roles that serve on reserved ports
+    keeper_pid: int | None = None
 
     @property
     def name(self) -> str:
@@ -171,6 +183,7 @@ class RayLauncher:
         self.events: JsonlLog | None = None
         self.config: dict[str, Any] = {}
         self.actor_class: Any = None
+        self.keeper_class: Any = None
         self.ends = RoleEndWatch()
 
     # -- cluster and placement -----------------------------------------------------------------
@@ -191,6 +204,7 @@ class RayLauncher:
         ray.init(address=rc.address, log_to_driver=True, **kwargs)
         self.ends.attach()
         self.actor_class = ray.remote(RoleActor)
+        self.keeper_class = ray.remote(PortKeeper)
         have = ray.cluster_resources()
         short = {k: (v, have.get(k, 0.0)) for k, v in need.items() if have.get(k, 0.0) + 1e-9 < v}
         if short:
@@ -223,15 +237,18 @@ class RayLauncher:
         rc = self.cfg.ray
         specs = plan_roles(self.cfg)
         bundles = [_bundle(spec.resources) for spec in specs]
-        self.pg = placement_group(bundles, strategy=rc.strategy, name=f"sluice-{self.cfg.run.name}")
+        self.pg = pg = placement_group(bundles, strategy=rc.strategy, name=f"sluice-{self.cfg.run.name}")
         try:
-            ray.get(self.pg.ready(), timeout=rc.ready_timeout_s)
+            ray.get(pg.ready(), timeout=rc.ready_timeout_s)
         except GetTimeoutError:
             raise RuntimeError(
                 f"Ray did not grant the placement group within {rc.ready_timeout_s:.0f}s: asked for "
                 f"{bundles} ({rc.strategy}); the cluster has {ray.cluster_resources()}"
             ) from None
         self.placed = [Placed(spec, b) for b, spec in enumerate(specs)]
+        for p in self.placed:  # keepers start beside the role actors (resolve_addresses uses them)
+            if p.spec.kind == "buffer" or (p.spec.kind == "learner" and p.spec.index == 0):
+                p.keeper = self._keeper(pg, p.bundle)
         self._start_actors(self.placed)
 
     def _start_actors(self, placed: list[Placed]) -> None:
@@ -262,18 +279,18 @@ class RayLauncher:
     # -- addresses -----------------------------------------------------------------------------
 
     def resolve_addresses(self) -> RunConfig:
-        """Ports reserved by the actors on their own nodes, written into the config: each shard's
-        endpoint, and for each learner group its rank 0's node with a control, weight-sync store
-        and rendezvous port."""
+        """Ports reserved on the roles' own nodes (by their bundles' keepers), written into the
+        config: each shard's endpoint, and for each learner group its rank 0's node with a
+        control, weight-sync store and rendezvous port."""
         import ray
 
         cfg = self.cfg.model_copy(deep=True)
         shards = [p for p in self.placed if p.spec.kind == "buffer"]
-        shard_ports = ray.get([p.actor.reserve_ports.remote(1) for p in shards])
+        shard_ports = ray.get([p.keeper.reserve.remote(1) for p in shards])
         cfg.buffer.endpoints = [f"tcp://{p.node_ip()}:{ports[0]}" for p, ports in zip(shards, shard_ports)]
         cfg.buffer.bind = [f"tcp://*:{ports[0]}" for ports in shard_ports]
         heads = [p for p in self.placed if p.spec.kind == "learner" and p.spec.index == 0]
-        reserved = ray.get([p.actor.reserve_ports.remote(3) for p in heads])
+        reserved = ray.get([p.keeper.reserve.remote(3) for p in heads])
         for head, (control, store, dist) in zip(heads, reserved):
             ip = head.node_ip()
             if head.spec.policy == cfg.learner.policies[0]:
@@ -283,7 +300,18 @@ class RayLauncher:
             else:
                 ports = GroupPorts(control=control, weight_sync=store, dist=dist, host=ip)
                 cfg.learner.group_ports[head.spec.policy] = ports
+        keeping = [p for p in self.placed if p.keeper is not None]
+        for p, pid in zip(keeping, ray.get([p.keeper.pid.remote() for p in keeping])):
+            p.keeper_pid = pid
         return cfg
+
+    def _keeper(self, pg: Any, bundle: int) -> Any:
+        """A PortKeeper actor in `pg`'s `bundle`: on its role's node, outliving any of its role's
+        actors."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+        return self.keeper_class.options(num_cpus=0, max_restarts=0, scheduling_strategy=strategy).remote()
 
     def _get(self, name: str) -> Placed:
         return next(p for p in self.placed if p.name == name)
@@ -305,7 +333,10 @@ class RayLauncher:
 
     def _record(self, event: str, p: Placed, **extra: Any) -> None:
         assert self.events is not None
-        self.events.write({"event": event, "role": p.name, "bundle": p.bundle, **(p.node or {}), **extra})
+        held = {} if p.keeper_pid is None else {"ports_held_by": p.keeper_pid}
+        self.events.write(
+            {"event": event, "role": p.name, "bundle": p.bundle, **(p.node or {}), **held, **extra}
+        )
 
     def supervise(self) -> int:
         """Wait for the learner; replace failed rollouts; fail on any other death."""
@@ -464,6 +495,8 @@ class RayLauncher:
         for p in order:
             if p.actor is not None:
                 ray.kill(p.actor, no_restart=True)
+            if p.keeper is not None:  # its ports are free only now
+                ray.kill(p.keeper, no_restart=True)
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
         if self.events is not None:

@@ -7,8 +7,9 @@ segments so compaction archives during the run). At step `at_step` one role is k
 for by id (`account`): it finished by itself, no trajectory was trained twice along the
 surviving lineage, every trajectory a shard acknowledged (exported with its fate) was trained,
 skipped or dropped by the learner, dropped as stale by a shard, or is still held; the version
-sequence has no gap or repeat, the staleness bound held, the stale-drop rate came back, and no
-process or port outlived the run. `python tests/chaos/run.py` prints the table for both
+sequence has no gap or repeat, the staleness bound held, the stale-drop rate came back, no
+process or port outlived the run, and under Ray a killed role's ports stayed held (its bundle's
+PortKeeper) until its replacement bound them. `python tests/chaos/run.py` prints the table for both
 launchers; tests/chaos/test_chaos.py runs the `sluice run` rows in CI.
 """
 
@@ -83,6 +84,9 @@ class Report:
     drops_after: float = 0.0  # ... over the second half of what followed it
     orphans: list[int] = field(default_factory=list)
     busy_ports: list[int] = field(default_factory=list)
+    # under Ray, a killed role that serves on reserved ports: its bundle's PortKeeper still held
+    # them just after the kill, and the restarted role was given the same keeper (None: no such role)
+    ports_kept: bool | None = None
 
     @property
     def drops_recovered(self) -> bool:
@@ -100,6 +104,7 @@ class Report:
         bad += [f"restarted away from its node: {self.moved}"] if self.moved else []
         bad += [f"orphans {self.orphans}"] if self.orphans else []
         bad += [f"ports still bound {self.busy_ports}"] if self.busy_ports else []
+        bad += ["its ports were not held across the restart"] if self.ports_kept is False else []
         if self.fault.startswith("SIGSTOP") and self.restarted:
             bad.append(f"a pause cost restarts of {self.restarted}")
         role = self.fault.rsplit(" ", 1)[1]
@@ -164,7 +169,10 @@ def run_with_fault(
     try:
         wait_for(lambda: steps_logged(run_dir) >= at_step, proc, 300, f"{at_step} learner steps")
         seen |= set(role_pids(run_dir).values())
+        keepers = port_keepers(run_dir, "placed")
+        seen |= set(keepers.values())
         inject(fault, role_pids(run_dir)[fault.role], pause_s)
+        held_at_kill = fault.role in keepers and alive(keepers[fault.role])
         code = proc.wait(timeout=timeout_s)
     finally:
         if proc.poll() is None:
@@ -172,10 +180,19 @@ def run_with_fault(
             proc.wait()
     seen |= set(role_pids(run_dir).values())
     report = Report(launcher, fault.name, code, time.monotonic() - t0)
+    if fault.kind == "kill" and fault.role in keepers:
+        kept = port_keepers(run_dir, "restarted").get(fault.role) == keepers[fault.role]
+        report.ports_kept = held_at_kill and kept
     account(report, run_dir, work / "experience.parquet", at_step, steps)
     report.orphans = sorted(p for p in seen if alive(p))
     report.busy_ports = [p for p in run_ports(run_dir) if not port_is_free(p)]
     return report
+
+
+def port_keepers(run_dir: Path, event: str) -> dict[str, int]:
+    """Role -> the pid of the Ray PortKeeper holding its ports, as its `event` records say."""
+    events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
+    return {e["role"]: e["ports_held_by"] for e in events if e.get("event") == event and "ports_held_by" in e}
 
 
 def lineage(records: list[dict]) -> list[dict]:
@@ -225,7 +242,8 @@ def table(reports: list[Report]) -> str:
     """The summary, one row per run."""
     head = (
         f"{'launcher':8} {'fault':22} {'ok':4} {'exit':>4} {'wall s':>6} {'restarted':24} {'trained':>7} "
-        f"{'dup':>3} {'stored':>6} {'lost':>4} {'stale before/after':>18} {'stal.':>5} {'orph.':>5}"
+        f"{'dup':>3} {'stored':>6} {'lost':>4} {'stale before/after':>18} {'stal.':>5} {'orph.':>5} "
+        f"{'ports':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in reports:
@@ -233,7 +251,7 @@ def table(reports: list[Report]) -> str:
             f"{r.launcher:8} {r.fault:22} {'yes' if not r.failures() else 'NO':4} {r.exit_code!s:>4} "
             f"{r.wall_s:6.0f} {','.join(r.restarted) or '-':24} {r.trained:7d} {r.duplicates:3d} "
             f"{r.stored:6d} {r.lost:4d} {r.drops_before:8.1f} / {r.drops_after:7.1f} {r.staleness_max:5d} "
-            f"{len(r.orphans):5d}"
+            f"{len(r.orphans):5d} {({None: '-', True: 'kept', False: 'LOST'})[r.ports_kept]:>5}"
         )
         lines += [f"    {f}" for f in r.failures()]
     return "\n".join(lines)
