@@ -17,6 +17,19 @@ from sluice.net import HeldPorts
 
 CARTPOLE = Path(__file__).resolve().parents[1] / "configs" / "cartpole.yaml"
 
+# Both scripts below start with this: the ports the kernel picks for n binds to port 0.
+KERNEL_CHOICES = """
+import socket
+
+def kernel_choices(n):
+    seen = set()
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            seen.add(s.getsockname()[1])
+    return seen
+"""
+
 # Runs in a network namespace of its own whose ephemeral range is 8 ports wide, so that the
 # kernel's choice of port is forced to cycle through them.
 IN_A_SMALL_PORT_RANGE = """
@@ -34,14 +47,6 @@ assert all(20500 <= free_port() <= 60999 for _ in range(20))
 port_range(40000, 40007)
 drawn = {free_port() for _ in range(20)}
 assert all(20000 <= p < 40000 for p in drawn) and len(drawn) > 1, drawn
-
-def kernel_choices(n):
-    seen = set()
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            seen.add(s.getsockname()[1])
-    return seen
 
 with socket.socket() as s:  # what free_port does: choose, then let go
     s.bind(("127.0.0.1", 0))
@@ -83,14 +88,6 @@ SERVE = (
     "print('up', flush=True)\\nwhile True: s.send(s.recv())"
 )
 
-def kernel_choices(n):
-    seen = set()
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            seen.add(s.getsockname()[1])
-    return seen
-
 def serve_then_kill(port, ask=False):
     server = subprocess.Popen([sys.executable, "-c", SERVE, str(port)], stdout=subprocess.PIPE, text=True)
     assert server.stdout.readline() == "up\\n"
@@ -125,7 +122,8 @@ def in_a_network_namespace(script: str) -> subprocess.CompletedProcess:
     if probe.returncode != 0:
         pytest.skip(f"cannot make a network namespace here: {probe.stderr.decode().strip()}")
     return subprocess.run(
-        ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"', sys.executable, script],
+        ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" -c "$1"', sys.executable,
+         KERNEL_CHOICES + script],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
