@@ -63,7 +63,7 @@ prompts       the task's sample(), seed run.seed * 7919  the same task class's s
               + service index; ids [<bos>] + words       in an in-memory datasets.Dataset; text
                                                          "<bos> " + prompt: the same ids (checked at start)
 batch         rollout.prompts_per_batch=8                per_device_train_batch_size=64, num_generations=8,
-              rollout.group_size=8                       gradient_accumulation_steps=1 (generation batch =
+(--group 8)   rollout.group_size=8                       gradient_accumulation_steps=1 (generation batch =
               learner.batch_size=64                      train batch = 64)
 length        rollout.max_new_tokens=12                  max_completion_length=12
 sampling      rollout.temperature=1.0, full vocabulary,  temperature=1.0, top_p=1.0, top_k=0, min_p=None,
@@ -919,9 +919,9 @@ PHASE_COLUMNS = (
 )
 
 
-def phases_table(runs: list[dict]) -> Table:
+def phases_table(runs: list[dict], batch: int) -> Table:
     table = Table(
-        title="Per-phase medians (s). generate: one batch of 64 (TRL: with reward and advantages); "
+        title=f"Per-phase medians (s). generate: one batch of {batch} (TRL: with reward and advantages); "
         "train: Sluice forward+backward+AdamW, TRL forward+backward; train on-CPU: the CPU time of "
         "Sluice's training thread in it (the rest it waited for the GIL or a core); "
         "optimizer: TRL clip+AdamW+zero_grad"
@@ -1157,7 +1157,7 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
     bound_rows = against_bound(runs, bound)
     for table in (
         runs_table(runs),
-        phases_table(runs),
+        phases_table(runs, PROMPTS * args.group),
         summary_table(summary),
         against_bound_table(bound_rows),
     ):
