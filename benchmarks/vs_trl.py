@@ -184,6 +184,11 @@ def build_model_dir(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def step_batch(group: int) -> int:
+    """Sequences in one step of either system: PROMPTS prompts x `group` completions each."""
+    return PROMPTS * group
+
+
 def make_task(name: str, seed: int):
     from sluice.rollout_svc.tasks.digits import CopyTask, DigitsConfig, ReverseTask
 
@@ -328,7 +333,7 @@ def sluice_overrides(spec: dict, run_dir: Path) -> list[str]:
         f"task.params={{length: {TASK_LENGTH}}}",
         f"rollout.prompts_per_batch={PROMPTS}",
         f"rollout.group_size={group}",
-        f"learner.batch_size={PROMPTS * group}",
+        f"learner.batch_size={step_batch(group)}",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
         f"rollout.temperature={TEMPERATURE}",
         f"learner.total_steps={spec['max_steps']}",
@@ -495,7 +500,7 @@ def grpo_config(spec: dict):
     lc = LEARNER
     return GRPOConfig(
         output_dir=spec["output_dir"],
-        per_device_train_batch_size=PROMPTS * spec["group"],
+        per_device_train_batch_size=step_batch(spec["group"]),
         gradient_accumulation_steps=1,
         num_generations=spec["group"],
         max_completion_length=MAX_NEW_TOKENS,
@@ -603,7 +608,7 @@ def trl_worker(spec_path: Path) -> None:
     task = make_task(spec["task"], spec["seed"] * TASK_SEED)
     dataset = trl_dataset(task, tokenizer, rows=PROMPTS * spec["max_steps"])
     timing: dict[str, float] = {}
-    trainer_cls, callback = timed_trainer(log, timing, PROMPTS * spec["group"])
+    trainer_cls, callback = timed_trainer(log, timing, step_batch(spec["group"]))
     trainer = trainer_cls(
         model=model,
         reward_funcs=make_reward(task, tokenizer.eos_token_id),
@@ -1113,7 +1118,7 @@ def bracketed(run, spec: dict, progress: Progress, model_dir: Path, repeats: int
     speed drifts by +-15% over minutes, so each run is set against the mean of the two."""
     if run is not run_sluice:
         return run(spec, progress)
-    batch = PROMPTS * spec["group"]
+    batch = step_batch(spec["group"])
     before = measure_bound(model_dir, repeats, 2, batch, (1,))["bound_s_per_step"]
     result = run(spec, progress)
     after = measure_bound(model_dir, repeats, 2, batch, (1,))["bound_s_per_step"]
@@ -1146,7 +1151,9 @@ def main() -> None:
         params = build_model_dir(model_dir)
         console.print(f"model: {params:,} parameters, {json.dumps(MODEL_INIT)} -> {model_dir}")
         with console.status("bound: plain torch train step and sampling, 1 and 2 threads"):
-            bound = measure_bound(model_dir, args.bound_repeats, 3 if args.quick else 5, PROMPTS * args.group)
+            bound = measure_bound(
+                model_dir, args.bound_repeats, 3 if args.quick else 5, step_batch(args.group)
+            )
         console.print(bound_table(bound))
         runs = run_all(args, model_dir, work, console)
     report(args, params, bound, runs, console)
@@ -1157,14 +1164,14 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
     bound_rows = against_bound(runs, bound)
     for table in (
         runs_table(runs),
-        phases_table(runs, PROMPTS * args.group),
+        phases_table(runs, step_batch(args.group)),
         summary_table(summary),
         against_bound_table(bound_rows),
     ):
         console.print(table)
     workload = {
         "model_init": MODEL_INIT, "parameters": params, "task_length": TASK_LENGTH, "prompts": PROMPTS,
-        "group": args.group, "batch": PROMPTS * args.group, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR,
+        "group": args.group, "batch": step_batch(args.group), "max_new_tokens": MAX_NEW_TOKENS, "lr": LR,
         "temperature": TEMPERATURE,
         "stop_at": STOP_AT, "window": WINDOW, "thresholds": THRESHOLDS, "max_steps": args.max_steps,
         "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,

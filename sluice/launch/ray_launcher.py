@@ -110,6 +110,14 @@ class RoleActor:
         self.stop.set()
 
 
+def reserved_ports(spec: RoleSpec) -> int:
+    """How many ports a role serves on that the others must know before it starts: a shard its
+    endpoint; a learner group's rank 0 its control, weight-sync store and rendezvous ports."""
+    if spec.kind == "buffer":
+        return 1
+    return 3 if spec.kind == "learner" and spec.index == 0 else 0
+
+
 class PortKeeper:
     """Holds a role's ports on its node for the whole run, from an actor of its own in the role's
     bundle (no CPU): a role that dies and is replaced in its bundle binds the same ports again,
@@ -247,7 +255,7 @@ class RayLauncher:
             ) from None
         self.placed = [Placed(spec, b) for b, spec in enumerate(specs)]
         for p in self.placed:  # keepers start beside the role actors (resolve_addresses uses them)
-            if p.spec.kind == "buffer" or (p.spec.kind == "learner" and p.spec.index == 0):
+            if reserved_ports(p.spec):
                 p.keeper = self._keeper(pg, p.bundle)
         self._start_actors(self.placed)
 
@@ -286,11 +294,11 @@ class RayLauncher:
 
         cfg = self.cfg.model_copy(deep=True)
         shards = [p for p in self.placed if p.spec.kind == "buffer"]
-        shard_ports = ray.get([p.keeper.reserve.remote(1) for p in shards])
+        shard_ports = ray.get([p.keeper.reserve.remote(reserved_ports(p.spec)) for p in shards])
         cfg.buffer.endpoints = [f"tcp://{p.node_ip()}:{ports[0]}" for p, ports in zip(shards, shard_ports)]
         cfg.buffer.bind = [f"tcp://*:{ports[0]}" for ports in shard_ports]
-        heads = [p for p in self.placed if p.spec.kind == "learner" and p.spec.index == 0]
-        reserved = ray.get([p.keeper.reserve.remote(3) for p in heads])
+        heads = [p for p in self.placed if p.spec.kind == "learner" and reserved_ports(p.spec)]
+        reserved = ray.get([p.keeper.reserve.remote(reserved_ports(p.spec)) for p in heads])
         for head, (control, store, dist) in zip(heads, reserved):
             ip = head.node_ip()
             if head.spec.policy == cfg.learner.policies[0]:
