@@ -139,7 +139,8 @@ def test_background_send_needs_background_confirmation():
 
 
 def test_receiver_killed_mid_sync_does_not_hang_the_learner(env_factory, tmp_path):
-    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=3, liveness_timeout_s=2)
+    # a long ready timeout: the learner must not wait it out for the dead receiver
+    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=40, liveness_timeout_s=2)
     env = env_factory(cfg, broadcaster_cls=SlowGatherBroadcaster)
     model = big_model()
     probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
@@ -157,7 +158,8 @@ def test_receiver_killed_mid_sync_does_not_hang_the_learner(env_factory, tmp_pat
     victim.kill(signal.SIGKILL)  # a real crash while the buckets are on the wire
     thread.join(timeout=cfg.publish_timeout_s + cfg.ready_timeout_s + 20)
     assert not thread.is_alive(), "the learner hangs on a dead receiver"
-    # found by a failure or the heartbeat, not the (long) collective timeout
+    # found by a failure or the heartbeat, not the (long) collective timeout, and the next
+    # epoch formed without waiting for the dead receiver's confirmation
     assert out["stats"].retried and out["seconds"] < cfg.publish_timeout_s
     survivors = [p for p in probes if p is not victim]
     for p in survivors:
@@ -172,7 +174,8 @@ def test_receiver_killed_mid_sync_does_not_hang_the_learner(env_factory, tmp_pat
 
 
 def test_hung_receiver_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(env_factory, tmp_path):
-    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=3, ready_timeout_s=2)
+    # a long ready timeout: the hung member's stopped heartbeat, not the timeout, drops it
+    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=3, ready_timeout_s=40, liveness_timeout_s=2)
     env = env_factory(cfg)
     model = big_model()
     probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
@@ -185,7 +188,7 @@ def test_hung_receiver_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(en
     t0 = time.monotonic()
     stats = env.broadcaster.publish(2, model)
     elapsed = time.monotonic() - t0
-    assert elapsed < cfg.publish_timeout_s + cfg.ready_timeout_s + 10, elapsed
+    assert elapsed < cfg.ready_timeout_s, elapsed
     assert stats.retried and stats.delivered and stats.members == 2
     for p in probes[:2]:
         assert p.wait_version(2)["digest"] == model_digest(model)
@@ -197,3 +200,27 @@ def test_hung_receiver_is_dropped_after_the_timeout_and_rejoins_when_it_wakes(en
     assert env.broadcaster.publish(3, model).members == 3
     for p in probes:
         assert p.wait_version(3)["digest"] == model_digest(model)
+
+
+def test_receiver_killed_between_publishes_is_not_waited_for_when_the_next_epoch_forms(env_factory, tmp_path):
+    """The learner's send to a dead direct peer fails at once ("connection closed"), naming no
+    member; the next epoch's candidates include the dead one, whose heartbeat in the failed
+    epoch has stopped: that, not `ready_timeout_s`, ends the wait for its confirmation."""
+    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=40, liveness_timeout_s=2)
+    env = env_factory(cfg)
+    model = big_model()
+    probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
+    env.wait_members(3)
+    assert env.broadcaster.publish(1, model).members == 3
+    victim = next(p for p in probes if p.service_id == env.broadcaster._members[0])  # the learner's peer
+    victim.kill(signal.SIGKILL)
+    victim.proc.wait(timeout=10)
+    perturb(model)
+    t0 = time.monotonic()
+    stats = env.broadcaster.publish(2, model)
+    assert time.monotonic() - t0 < cfg.ready_timeout_s, "waited out the dead member's confirmation"
+    assert stats.retried and stats.delivered and stats.members == 2
+    for p in probes:
+        if p is not victim:
+            assert p.wait_version(2)["digest"] == model_digest(model)
+    assert victim.service_id not in env.broadcaster.membership.status().members

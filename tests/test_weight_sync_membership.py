@@ -61,6 +61,23 @@ def test_restarted_service_replaces_its_old_incarnation(control):
     assert membership.registered() == 1  # dropping the old one leaves the new one alone
 
 
+def test_members_found_silent_are_left_out_of_the_next_epoch_unless_they_restarted(control):
+    server, client = control
+    membership = Membership()
+    server.attach_membership(membership)
+    for sid in ("rollout-0", "rollout-1", "rollout-2"):
+        client.join(sid, "a", 1)
+    _, _, candidates = membership.begin_epoch()
+    membership.commit_epoch(candidates, dropped=[])
+    client.join("rollout-2", "b", 1)  # rollout-2 died and its replacement joined already
+    silent = [Candidate("rollout-1", "a"), Candidate("rollout-2", "a")]
+    _, epoch, candidates = membership.begin_epoch(leave_out=silent)
+    assert epoch == 2
+    assert [(c.service_id, c.incarnation) for c in candidates] == [("rollout-0", "a"), ("rollout-2", "b")]
+    assert set(client.status().weight_sync.members) == {"rollout-0", "rollout-2"}
+    assert membership.counters["dropped"] == 1  # rollout-1; rollout-2's new incarnation stays
+
+
 def test_bad_membership_requests_are_named(control):
     server, client = control
     server.attach_membership(Membership())

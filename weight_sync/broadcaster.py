@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -74,31 +74,47 @@ class MembershipHost(Protocol):
 
 
 class _Liveness:
-    """Polled while the learner waits on a broadcast: reads every member's heartbeat counter
-    (at most twice a second) and says abort when one has not moved for `timeout_s`."""
+    """Polled while the learner waits on a broadcast or an epoch's confirmations: reads the
+    heartbeat counters of `ranks` in `epoch` (at most twice a second) and says abort when one
+    has not moved for `timeout_s` (`silent`: those ranks)."""
 
-    def __init__(self, store: TCPStore, group: BroadcastGroup, timeout_s: float) -> None:
+    def __init__(self, store: TCPStore, epoch: int, ranks: Iterable[int], timeout_s: float) -> None:
         self.store = store
-        self.keys = {rank: epoch_key(group.epoch, "beat", rank) for rank in range(1, group.world_size)}
+        self.keys = {rank: epoch_key(epoch, "beat", rank) for rank in ranks}
         self.timeout_s = timeout_s
         now = time.monotonic()
         self.seen: dict[int, tuple[int, float]] = {rank: (-1, now) for rank in self.keys}
         self.checked = 0.0
         self.silent: list[int] = []
 
+    @classmethod
+    def of(cls, store: TCPStore, group: BroadcastGroup, timeout_s: float) -> _Liveness:
+        """Every member of `group` (ranks 1..world-1; the learner is rank 0)."""
+        return cls(store, group.epoch, range(1, group.world_size), timeout_s)
+
     def __call__(self) -> bool:
         now = time.monotonic()
         if now - self.checked < 0.5:
-            return False
+            return bool(self.silent)
         self.checked = now
         for rank, key in self.keys.items():
             beats = self.store.add(key, 0)
             last, since = self.seen[rank]
             if beats != last:
                 self.seen[rank] = (beats, now)
-            elif now - since > self.timeout_s:
+            elif now - since > self.timeout_s and rank not in self.silent:
                 self.silent.append(rank)
         return bool(self.silent)
+
+
+class SilentMembers(CollectiveError):
+    """Members of epoch `epoch` (by rank) whose heartbeat stopped for `liveness_timeout_s`
+    during a publish: crashed or hung. The next epoch is formed without them at once."""
+
+    def __init__(self, message: str, epoch: int, ranks: list[int]) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.ranks = tuple(ranks)
 
 
 @dataclass
@@ -139,6 +155,9 @@ class WeightBroadcaster:
         self._specs: list[TensorSpec] | None = None
         self._source: tuple[object, ParamSource] | None = None
         self._members: list[str] = []  # the current epoch's members, in rank order
+        self._committed: list[Candidate] = []  # the same, with their incarnations
+        self._committed_epoch = -1  # the epoch they were committed to
+        self._silent: set[Candidate] = set()  # members found silent: left out of the next epoch
         self._broken = False  # the current epoch's group failed: form a new one before sending
         self._abandoned_works: list = []  # of a failed publish, dropped together with its group
         self._droppers: list = []  # threads releasing dropped groups
@@ -468,7 +487,7 @@ class WeightBroadcaster:
                 seq, WeightsAnnouncement(group.epoch, version, layout, base_version, piece_bytes, wire.name)
             )
             append = self._sums_appender(seq)
-        liveness = _Liveness(self._live_store(), group, self.cfg.liveness_timeout_s) if group else None
+        liveness = _Liveness.of(self._live_store(), group, self.cfg.liveness_timeout_s) if group else None
         pipeline = PiecePipeline(group, self.cfg.pipeline_depth, self.cfg.publish_timeout_s, liveness)
         hashed = pipeline.send(layout, produce, SendSums(wire, append, sums, self._hash_pool), piece_bytes)
         error = pipeline.error
@@ -477,8 +496,9 @@ class WeightBroadcaster:
             error = self._await_reports(group, version, liveness)
         self._phases = (t_sent - t_start, time.perf_counter() - t_sent)
         if error is not None:
-            if liveness is not None and liveness.silent and "heartbeat" not in str(error):
-                error = CollectiveError(f"{error}: no heartbeat from rank(s) {liveness.silent}")
+            if group is not None and liveness is not None and liveness.silent:
+                note = "" if "heartbeat" in str(error) else f": no heartbeat from rank(s) {liveness.silent}"
+                error = SilentMembers(f"{error}{note}", group.epoch, liveness.silent)
             self._abandoned_works.append(pipeline.pending())  # released with the group, not here
         return error, hashed
 
@@ -501,7 +521,7 @@ class WeightBroadcaster:
         while the learner trains on. The main thread uses the store only after
         `_finish_confirm`, so the two never share it."""
         error = self._await_reports(
-            group, version, _Liveness(self._live_store(), group, self.cfg.liveness_timeout_s)
+            group, version, _Liveness.of(self._live_store(), group, self.cfg.liveness_timeout_s)
         )
         if error is None and on_confirmed is not None:
             on_confirmed(version)
@@ -532,7 +552,11 @@ class WeightBroadcaster:
             if len(outcomes) == len(self._members):
                 return None
             if liveness():
-                return CollectiveError(f"no heartbeat from rank(s) {liveness.silent} after v{version}")
+                return SilentMembers(
+                    f"no heartbeat from rank(s) {liveness.silent} after v{version}",
+                    group.epoch,
+                    liveness.silent,
+                )
             if time.monotonic() > deadline:
                 missing = sorted(set(self._members) - set(outcomes))
                 return CollectiveError(
@@ -562,20 +586,21 @@ class WeightBroadcaster:
         self._drop_group()
         self._broken = False
         self._force_full = True
-        seq, epoch, candidates = self.membership.begin_epoch()
+        seq, epoch, candidates = self._begin_epoch()
         self._announce(seq, EpochAnnouncement(epoch, [c.service_id for c in candidates]))
         ready = self._await_ready(epoch, candidates)
         committed = [c for c in candidates if ready.get(c.service_id) == c.incarnation]
         dropped = [c for c in candidates if c not in committed]
         ids = [c.service_id for c in committed]
-        self._members = ids
+        self._members, self._committed, self._committed_epoch = ids, committed, epoch
         backend = epoch_backend(self.cfg.backend, self.device.type, [c.device for c in committed])
         self._live_store().set(epoch_key(epoch, "commit"), encoder.encode(EpochCommit(epoch, ids, backend)))
         self._notify()
         self.membership.commit_epoch(committed, dropped)
         if dropped:
             log.warning(
-                "weight sync: epoch %d leaves out %s (no confirmation within %.1fs)",
+                "weight sync: epoch %d leaves out %s (no confirmation within %.1fs, or none after "
+                "their heartbeat in the last epoch stopped)",
                 epoch,
                 [c.service_id for c in dropped],
                 self.cfg.ready_timeout_s,
@@ -599,25 +624,48 @@ class WeightBroadcaster:
             return
         log.info("weight sync: epoch %d formed with %s over %s", epoch, ids, backend)
 
+    def _begin_epoch(self) -> tuple[int, int, list[Candidate]]:
+        """The next epoch's announcement seq, number and candidates: every registered service
+        but the members found silent in the last one (crashed or hung), forgotten at once
+        instead of waited for; they JOIN again if they come back."""
+        left_out, self._silent = self._silent, set()
+        seq, epoch, candidates = self.membership.begin_epoch(leave_out=left_out)
+        if left_out:
+            log.warning(
+                "weight sync: epoch %d leaves out %s at once (no heartbeat in epoch %d)",
+                epoch,
+                sorted(c.service_id for c in left_out),
+                self._committed_epoch,
+            )
+        return seq, epoch, candidates
+
     def _await_ready(self, epoch: int, candidates: list[Candidate]) -> dict[str, str]:
-        """service id -> incarnation of the candidates that confirmed in time."""
+        """service id -> incarnation of the candidates that confirmed in time. A candidate that
+        was a member of the last epoch and whose heartbeat there has not moved for
+        `liveness_timeout_s` (a crash the failed collective did not name) is not waited for."""
         if not candidates:
             return {}
-        keys = [epoch_key(epoch, "ready", c.service_id) for c in candidates]
-        deadline = time.monotonic() + self.cfg.ready_timeout_s
+        keys = {c: epoch_key(epoch, "ready", c.service_id) for c in candidates}
+        old_rank = {c: r for r, c in enumerate(self._committed, 1) if c in keys}
         store = self._live_store()
+        watch = _Liveness(store, self._committed_epoch, old_rank.values(), self.cfg.liveness_timeout_s)
+        deadline = time.monotonic() + self.cfg.ready_timeout_s
         while True:
-            present = [k for k in keys if store.check([k])]
-            if len(present) == len(keys) or time.monotonic() >= deadline:
+            waiting = [c for c, k in keys.items() if not store.check([k])]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            if watch() and all(old_rank.get(c) in watch.silent for c in waiting):
                 break
             time.sleep(0.01)
-        values = store.multi_get(present) if present else []
-        by_key = dict(zip(present, values))
-        return {c.service_id: by_key[k].decode() for c, k in zip(candidates, keys) if k in by_key}
+        present = [k for k in keys.values() if store.check([k])]
+        by_key = dict(zip(present, store.multi_get(present) if present else []))
+        return {c.service_id: by_key[k].decode() for c, k in keys.items() if k in by_key}
 
     def _abandon_epoch(self, error: Exception) -> None:
         epoch = self.group.epoch if self.group is not None else self.membership.epoch
         log.warning("weight sync: epoch %d abandoned: %s", epoch, error)
+        if isinstance(error, SilentMembers) and self.group is not None and error.epoch == self.group.epoch:
+            self._silent |= {self._committed[r - 1] for r in error.ranks if 0 < r <= len(self._committed)}
         self._live_store().set(epoch_key(epoch, "abort"), b"1")
         self._notify()
         self._drop_group()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -169,9 +170,13 @@ class Membership:
         with self._lock:
             return self._changed
 
-    def begin_epoch(self) -> tuple[int, int, list[Candidate]]:
-        """(announcement seq, new epoch, candidates in rank order): every registered service."""
+    def begin_epoch(self, leave_out: Collection[Candidate] = ()) -> tuple[int, int, list[Candidate]]:
+        """(announcement seq, new epoch, candidates in rank order): every registered service
+        but those in `leave_out` (members whose heartbeat stopped in the failed epoch), which are
+        forgotten now rather than waited for; they JOIN again if they come back."""
         with self._lock:
+            for c in leave_out:
+                self._forget(c)
             self.epoch += 1
             self._changed = False
             seq = self._take_seq()
@@ -191,10 +196,14 @@ class Membership:
                 if m is not None and m.incarnation == c.incarnation:
                     m.state = "member"
             for c in dropped:
-                m = self._members.get(c.service_id)
-                if m is not None and m.incarnation == c.incarnation:
-                    del self._members[c.service_id]
-                    self.counters["dropped"] += 1
+                self._forget(c)
+
+    def _forget(self, c: Candidate) -> None:
+        """Drop candidate `c` unless its service joined again since (the caller holds the lock)."""
+        m = self._members.get(c.service_id)
+        if m is not None and m.incarnation == c.incarnation:
+            del self._members[c.service_id]
+            self.counters["dropped"] += 1
 
     def wait_reports(
         self, epoch: int, version: int, service_ids: list[str], timeout_s: float

@@ -87,10 +87,12 @@ class WeightSyncConfig(Section):
     liveness_timeout_s: float = Field(default=5.0, gt=0)
     """A member that stops its heartbeat (bumped while it waits in a collective) for this long
     during a publish is taken for crashed or hung: the epoch is abandoned at once instead of
-    after publish_timeout_s."""
+    after publish_timeout_s, and the next epoch is formed without it. This is about what a
+    crashed receiver costs the learner."""
     ready_timeout_s: float = Field(default=10.0, gt=0)
-    """When the group is rebuilt (a membership epoch), members that do not confirm within
-    this are left out (they join again later)."""
+    """When the group is rebuilt (a membership epoch), candidates that do not confirm within
+    this are left out (they join again later). A member of the last epoch whose heartbeat there
+    stopped for liveness_timeout_s is not waited for this long."""
     transfer: WeightTransferConfig = WeightTransferConfig()
     """ZeroMQ chunked transfer of the current version to late joiners."""
 
