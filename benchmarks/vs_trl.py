@@ -37,6 +37,12 @@ which it reached 0.5 and 0.7 are recorded too), or `--max-steps`.
 Start-up (process start to clock start) is reported apart for both. Tokens/s: completion tokens
 trained per second of clock time, up to the 0.9 step (or the last step).
 
+CPU per step (cpu_use.py): the CPU seconds of each process (Sluice: its learner, split into the
+training thread and the rest, its rollout services, shards and launcher; TRL: its process, split
+the same way) from step 20 to the run's end, per step, and `cores busy`, their sum over the
+cores' capacity in that window. It tells a system that waits from one that fills the machine,
+and what the step costs in CPU beside what it costs in time.
+
 Repeats (`--repeats N`): Sluice's sampling depends on which weights version each rollout holds
 at each moment, i.e. on timing, so one run of a seed is one draw; whether a run escapes the
 copy task's 0.75 plateau (architecture.md, "Steps to a reward are a distribution over seeds")
@@ -133,6 +139,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common import sluice_run_cmd  # noqa: E402
+from cpu_use import CpuSampler  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -162,6 +169,7 @@ THRESHOLDS = (0.5, 0.7, 0.9)
 STOP_AT = 0.9
 WINDOW = 5
 TRL_THREADS = 2
+CPU_WARMUP_STEPS = 20  # CPU per step is read from this step to the run's end (cpu_use.py)
 TASK_SEED = 7919  # a rollout service's task seed is run.seed * 7919 + its index
 LEARNER = LearnerConfig()  # Sluice's optimiser defaults, passed explicitly to both systems
 ADV_EPS = LearnerConfig().llm.adv_eps  # TRL's group advantages hard-code 1e-4
@@ -265,13 +273,25 @@ def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
     proc.wait()
 
 
+def role_pids(run_dir: Path) -> dict[str, int]:
+    """Role name -> pid, from the endpoint record each role writes once it is up."""
+    pids = {}
+    for path in (run_dir / "endpoints").glob("*.json"):
+        try:
+            pid = json.loads(path.read_text()).get("pid")
+        except (OSError, ValueError):  # being written
+            continue
+        if pid:
+            pids[path.stem] = int(pid)
+    return pids
+
+
 def kill_leftover_roles(run_dir: Path) -> None:
     """Roles run in their own sessions; one that outlived its launcher (it should not: it gets
     SIGTERM when the launcher dies) would load the next measurement, so it is killed."""
-    for path in (run_dir / "endpoints").glob("*.json"):
-        pid = json.loads(path.read_text()).get("pid")
+    for pid in role_pids(run_dir).values():
         try:
-            if pid and os.getpgid(pid) == pid:
+            if os.getpgid(pid) == pid:
                 os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
@@ -298,9 +318,12 @@ def watch(
 class Watcher:
     """Collects the per-step rewards of a run as they appear and drives its progress line."""
 
-    def __init__(self, progress: Progress, label: str, reward_key: str, step_key: str) -> None:
+    def __init__(
+        self, progress: Progress, label: str, reward_key: str, step_key: str, cpu: CpuSampler | None = None
+    ) -> None:
         self.progress, self.reward_key, self.step_key = progress, reward_key, step_key
         self.rewards: list[float] = []
+        self.cpu = cpu  # polled with the step count at each look
         self.task = progress.add_task(label, total=None, info="starting")
 
     def __call__(self, records: list[dict]) -> bool:
@@ -311,6 +334,8 @@ class Watcher:
             info = f"step {steps[-1][self.step_key]}  reward {self.rewards[-1]:.3f}"
             info += f"  trailing {mean:.3f}" if mean is not None else ""
             self.progress.update(self.task, info=info)
+        if self.cpu is not None:
+            self.cpu.poll(len(self.rewards))
         return reached(self.rewards)
 
     def done(self, reason: str) -> None:
@@ -363,11 +388,13 @@ def run_sluice(spec: dict, progress: Progress) -> dict:
         *sluice_overrides(spec, run_dir),
         *spec["sluice_overrides"],
     )
-    watcher = Watcher(progress, f"sluice {spec['task']} seed {run_label(spec)}", "reward_mean", "version")
     load_before = os.getloadavg()[0]
     with (Path(spec["work"]) / f"{run_dir.name}.log").open("w") as log:
         t_launch = time.time()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cpu = CpuSampler(lambda: {"launcher": proc.pid, **role_pids(run_dir)}, CPU_WARMUP_STEPS)
+        label = f"sluice {spec['task']} seed {run_label(spec)}"
+        watcher = Watcher(progress, label, "reward_mean", "version", cpu)
         try:
             reason = watch(proc, Tail(run_dir / "metrics" / "learner.jsonl"), watcher, spec["timeout_s"])
         finally:
@@ -378,7 +405,7 @@ def run_sluice(spec: dict, progress: Progress) -> dict:
     if not result["curve"]:
         reason += ": " + (Path(spec["work"]) / f"{run_dir.name}.log").read_text(errors="replace")[-1500:]
     return {**result, "stop": reason, "exit_code": proc.returncode, "load_before": load_before,
-            "load_after": os.getloadavg()[0], "command": cmd}  # fmt: skip
+            "load_after": os.getloadavg()[0], "cpu": cpu.per_step(), "command": cmd}  # fmt: skip
 
 
 def sluice_result(run_dir: Path, t_launch: float) -> dict:
@@ -431,7 +458,6 @@ def run_trl(spec: dict, progress: Progress) -> dict:
     spec = {**spec, "log": str(work / f"{name}.jsonl"), "output_dir": str(work / name)}
     spec_path = work / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec, default=str))
-    watcher = Watcher(progress, f"trl    {spec['task']} seed {spec['seed']}", "reward", "step")
     load_before = os.getloadavg()[0]
     with (work / f"{name}.log").open("w") as log:
         t_launch = time.time()
@@ -439,6 +465,8 @@ def run_trl(spec: dict, progress: Progress) -> dict:
             [sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec_path)],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+        cpu = CpuSampler(lambda: {"trainer": proc.pid}, CPU_WARMUP_STEPS)
+        watcher = Watcher(progress, f"trl    {spec['task']} seed {spec['seed']}", "reward", "step", cpu)
         try:
             reason = watch(proc, Tail(Path(spec["log"])), watcher, spec["timeout_s"])
             if reason == "threshold":  # it stops itself there: let it exit cleanly
@@ -464,6 +492,7 @@ def run_trl(spec: dict, progress: Progress) -> dict:
         "exit_code": proc.returncode,
         "load_before": load_before,
         "load_after": os.getloadavg()[0],
+        "cpu": cpu.per_step(),
     }
 
 
@@ -943,6 +972,47 @@ def phases_table(runs: list[dict], batch: int) -> Table:
     return table
 
 
+def cpu_columns(cpu: dict) -> dict[str, float | None]:
+    """A run's CPU seconds per step by kind of process: the trainer's (Sluice's learner, TRL's
+    one process) main thread and its other threads, the rollout services, the shards and the
+    launcher (None: the run has none); `name-<i>` processes are summed by name."""
+    whole: dict[str, float] = {}
+    for name, seconds in cpu["cpu_s"].items():
+        if not name.endswith(":main"):
+            kind = name.split("-")[0]
+            whole[kind] = whole.get(kind, 0.0) + seconds
+    trainer = "learner" if "learner" in whole else "trainer"
+    main = cpu["cpu_s"].get(f"{trainer}:main", 0.0)
+    return {
+        "trainer main thread": main,
+        "trainer other threads": whole.get(trainer, 0.0) - main,
+        "rollouts": whole.get("rollout"),
+        "shards": whole.get("buffer"),
+        "launcher": whole.get("launcher"),
+        "total": cpu["total_s"],
+    }
+
+
+def cpu_table(runs: list[dict]) -> Table:
+    table = Table(
+        title=f"CPU seconds per step, from step {CPU_WARMUP_STEPS} to the end (cpu_use.py; trainer: Sluice's "
+        "learner, whose main thread trains, or TRL's process); cores busy: total / (cores x wall per step)"
+    )
+    columns = ("trainer main thread", "trainer other threads", "rollouts", "shards", "launcher", "total")
+    for col in ("system", "task", "seed", *columns, "wall s/step", "cores busy"):
+        table.add_column(col)
+    for r in runs:
+        cpu = r.get("cpu")
+        if not cpu:
+            continue
+        cells = cpu_columns(cpu)
+        row = [fmt(cells[c], ".4f") for c in columns]
+        table.add_row(
+            r["system"], r["task"], run_label(r), *row, fmt(cpu["wall_s"], ".4f"), fmt(cpu["busy"], ".0%")
+        )
+    return table
+
+
 def summary_table(summary: dict) -> Table:
     table = Table(title=f"Time to {STOP_AT}: Sluice / TRL")
     for col in ("task", "seed", "sluice s (steps)", "trl s (steps)", "time ratio", "steps ratio"):
@@ -1165,6 +1235,7 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
     for table in (
         runs_table(runs),
         phases_table(runs, step_batch(args.group)),
+        cpu_table(runs),
         summary_table(summary),
         against_bound_table(bound_rows),
     ):

@@ -190,6 +190,23 @@ def test_the_group_sets_both_systems_batch(bench, tmp_path):
     assert {"run.seed=3", "task.name=copy", "learner.total_steps=9", "model.path=m"} <= set(overrides)
 
 
+def test_cpu_columns_sum_the_services_and_split_the_trainers_main_thread(bench):
+    sluice = {
+        "cpu_s": {
+            "learner": 0.050, "learner:main": 0.045, "rollout-0": 0.020, "rollout-0:main": 0.018,
+            "rollout-1": 0.018, "rollout-1:main": 0.016, "buffer-0": 0.003, "buffer-0:main": 0.001,
+            "launcher": 0.001, "launcher:main": 0.001,
+        },
+        "total_s": 0.092,
+    }  # fmt: skip
+    got = bench.cpu_columns(sluice)
+    assert got["trainer main thread"] == 0.045 and got["trainer other threads"] == pytest.approx(0.005)
+    assert got["rollouts"] == pytest.approx(0.038) and got["shards"] == 0.003 and got["launcher"] == 0.001
+    trl = bench.cpu_columns({"cpu_s": {"trainer": 0.14, "trainer:main": 0.07}, "total_s": 0.14})
+    assert trl["trainer main thread"] == 0.07 and trl["trainer other threads"] == pytest.approx(0.07)
+    assert trl["rollouts"] is None and trl["shards"] is None and trl["launcher"] is None
+
+
 def run_quick(tmp_path: Path, *extra: str, timeout_s: float) -> dict:
     run_script(["benchmarks/vs_trl.py", "--quick", "--out", str(tmp_path), *extra], timeout_s, columns=180)
     assert (tmp_path / "vs_trl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -201,6 +218,7 @@ def check_run(run: dict) -> None:
     assert len(run["curve"]) >= 5 and all(0 <= c["reward"] <= 1 for c in run["curve"])
     assert run["startup_s"] > 0 and run["tokens_per_s"] > 0
     assert run["crossings"].keys() == {"0.5", "0.7", "0.9"}
+    assert "cpu" in run  # None where the run ended before a window after the warm-up steps
 
 
 @pytest.mark.slow  # a whole `sluice run` (~35 s)
