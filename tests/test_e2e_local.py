@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import psutil
 import pytest
@@ -57,7 +58,10 @@ def test_synchronous_bound_consumes_only_current_version(tmp_path):
 
 def test_killed_rollout_is_restarted_then_ctrl_c_stops_every_role_and_frees_ports(tmp_path, process_reaper):
     run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "learner.total_steps=100000")
+    # the weight-sync group alone would wait for the dead receiver's heartbeat (60 s here) or its
+    # replacement's JOIN (~5 s); the launcher, which sees it die, takes it out at once (departed.py)
+    slow_heartbeat = ("weight_sync.liveness_timeout_s=60", "weight_sync.publish_timeout_s=120")
+    proc = start_run(run_dir, "learner.total_steps=100000", *slow_heartbeat)
     process_reaper.append(proc)
     record = run_dir / "endpoints" / "rollout-0.json"
     # one service alone can feed the first steps while the other is still starting (a loaded machine)
@@ -65,6 +69,7 @@ def test_killed_rollout_is_restarted_then_ctrl_c_stops_every_role_and_frees_port
 
     # kill -9 a rollout service: the launcher starts it again and training goes on
     killed = json.loads(record.read_text())["pid"]
+    killed_at = time.time()
     os.kill(killed, signal.SIGKILL)
     events = run_dir / "metrics" / "launcher.jsonl"
     wait_until(lambda: any(e.get("event") == "restarted" for e in read_jsonl(events)), proc, "a restart")
@@ -72,11 +77,16 @@ def test_killed_rollout_is_restarted_then_ctrl_c_stops_every_role_and_frees_port
     assert (
         restarted["role"] == "rollout-0" and restarted["rc"] == -signal.SIGKILL and restarted["restarts"] == 1
     )
+    assert restarted["left_weight_sync"] == ["default/rollout-0"]
     wait_until(
         lambda: json.loads(record.read_text())["pid"] == restarted["pid"], proc, "the new rollout-0 serving"
     )
     steps = learner_steps(run_dir)
     wait_until(lambda: learner_steps(run_dir) >= steps + 5, proc, "5 more learner steps")
+    times = [s["time"] for s in read_jsonl(run_dir / "metrics" / "learner.jsonl")]
+    since = [t for t in times if t > killed_at]
+    before = [t for t in times if t <= killed_at][-1:]  # the learner's gap across the kill, and after
+    assert max(b - a for a, b in zip(before + since, since)) < 3, "the learner waited for the dead rollout"
 
     pids = list(role_pids(run_dir).values())
     assert len(pids) == 4 and killed not in pids

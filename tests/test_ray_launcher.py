@@ -136,6 +136,7 @@ def test_killed_rollout_is_restarted_and_training_continues(tmp_path, process_re
         lambda: events(run_dir, "restarted"), 300, "the restart", interval_s=0.5, check=alive
     )[0]
     assert restarted["role"] == "rollout-0" and restarted["pid"] != victim
+    assert restarted["left_weight_sync"] == ["default/rollout-0"]  # the driver saw it die (departed.py)
     assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     versions = [s["version"] for s in steps()]
     assert versions == list(range(1, 61))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sluice.rpc import RpcError
 from sluice.weight_sync.group import epoch_backend
 from sluice.weight_sync.membership import Candidate, Membership
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # `control` (a control server in a thread and a client of it) is a fixture of tests/conftest.py.
 
@@ -76,6 +80,43 @@ def test_members_found_silent_are_left_out_of_the_next_epoch_unless_they_restart
     assert [(c.service_id, c.incarnation) for c in candidates] == [("rollout-0", "a"), ("rollout-2", "b")]
     assert set(client.status().weight_sync.members) == {"rollout-0", "rollout-2"}
     assert membership.counters["dropped"] == 1  # rollout-1; rollout-2's new incarnation stays
+
+
+def test_a_launcher_leaves_a_dead_process_by_pid_and_never_its_replacement(control):
+    server, client = control
+    membership = Membership()
+    server.attach_membership(membership)
+    client.join("rollout-0", "a", 1, pid=4242)
+    client.join("rollout-1", "b", 1, pid=4343)
+    assert not client.leave("rollout-0", pid=9999).removed  # another process
+    assert client.leave("rollout-0", pid=4242).removed
+    assert membership.counters["gone"] == 1 and membership.needs_epoch()
+    client.join("rollout-1", "c", 1, pid=5151)  # rollout-1 restarted: the old pid is not it any more
+    assert not client.leave("rollout-1", pid=4343).removed
+    assert set(client.status().weight_sync.members) == {"rollout-1"}
+    for bad in ({"incarnation": "c", "pid": 5151}, {}):  # both, or neither
+        with pytest.raises(RpcError) as e:
+            client.leave("rollout-1", **bad)
+        assert e.value.code == "BAD_HEADER" and "incarnation" in e.value.message and "pid" in e.value.message
+
+
+def test_the_launcher_leaves_every_service_of_a_dead_rollout_process(control, tmp_path):
+    from sluice.config.loader import load_config
+    from sluice.launch.departed import leave_for_dead
+    from sluice.launch.plan import plan_roles
+
+    server, client = control
+    membership = Membership()
+    server.attach_membership(membership)
+    port = int(server.endpoint.rsplit(":", 1)[1])
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [f"run.dir={tmp_path}", f"control.port={port}"])
+    rollout = next(s for s in plan_roles(cfg) if s.kind == "rollout")
+    client.join(rollout.name, "a", 1, pid=777)
+    assert leave_for_dead(cfg, rollout, 776) == []  # not its process
+    assert leave_for_dead(cfg, rollout, 777) == [f"default/{rollout.name}"]
+    assert membership.registered() == 0
+    shard = next(s for s in plan_roles(cfg) if s.kind == "buffer")
+    assert leave_for_dead(cfg, shard, 777) == []  # only rollout services are members
 
 
 def test_bad_membership_requests_are_named(control):

@@ -599,8 +599,8 @@ class WeightBroadcaster:
         self.membership.commit_epoch(committed, dropped)
         if dropped:
             log.warning(
-                "weight sync: epoch %d leaves out %s (no confirmation within %.1fs, or none after "
-                "their heartbeat in the last epoch stopped)",
+                "weight sync: epoch %d leaves out %s (not confirmed: gone, silent in the last epoch, "
+                "or not within %.1fs)",
                 epoch,
                 [c.service_id for c in dropped],
                 self.cfg.ready_timeout_s,
@@ -640,9 +640,10 @@ class WeightBroadcaster:
         return seq, epoch, candidates
 
     def _await_ready(self, epoch: int, candidates: list[Candidate]) -> dict[str, str]:
-        """service id -> incarnation of the candidates that confirmed in time. A candidate that
-        was a member of the last epoch and whose heartbeat there has not moved for
-        `liveness_timeout_s` (a crash the failed collective did not name) is not waited for."""
+        """service id -> incarnation of the candidates that confirmed in time. Not waited for: a
+        candidate that left meanwhile (its LEAVE, or its launcher's for its dead process), and one
+        that was a member of the last epoch whose heartbeat there has not moved for
+        `liveness_timeout_s` (a crash the failed collective did not name)."""
         if not candidates:
             return {}
         keys = {c: epoch_key(epoch, "ready", c.service_id) for c in candidates}
@@ -651,7 +652,7 @@ class WeightBroadcaster:
         watch = _Liveness(store, self._committed_epoch, old_rank.values(), self.cfg.liveness_timeout_s)
         deadline = time.monotonic() + self.cfg.ready_timeout_s
         while True:
-            waiting = [c for c, k in keys.items() if not store.check([k])]
+            waiting = [c for c, k in keys.items() if not store.check([k]) and self.membership.holds(c)]
             if not waiting or time.monotonic() >= deadline:
                 break
             if watch() and all(old_rank.get(c) in watch.silent for c in waiting):

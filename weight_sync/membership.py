@@ -48,6 +48,7 @@ class Member:
     failed: int = 0
     last_error: str = ""
     report: tuple[int, int, str] | None = None  # (epoch, version, outcome) last reported
+    pid: int = 0  # the receiver's process, as its JOIN said (0: not said)
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class Membership:
             self.counters["joins_after_shutdown"] += 1
             return JoinReply(proto=PROTO_VERSION, id=req.id, seq=self._seq, shutting_down=True)
         old = self._members.get(req.service_id)
-        member = Member(req.service_id, req.incarnation, req.held_version, req.device)
+        member = Member(req.service_id, req.incarnation, req.held_version, req.device, pid=req.pid)
         if old is not None:
             if old.incarnation != req.incarnation:
                 self.counters["replaced"] += 1  # a restarted service: the old process is gone
@@ -108,12 +109,21 @@ class Membership:
         )
 
     def _leave(self, req: LeaveRequest) -> LeaveReply:
+        """By the receiver (its incarnation) or by a launcher that saw its process die (pid)."""
+        if bool(req.incarnation) == (req.pid > 0):
+            raise ValueError(
+                f"LEAVE of {req.service_id!r}: give incarnation (a receiver) or pid > 0 (a launcher), "
+                f"not both or neither (incarnation={req.incarnation!r}, pid={req.pid})"
+            )
         member = self._members.get(req.service_id)
-        removed = member is not None and member.incarnation == req.incarnation
+        if req.incarnation:
+            removed = member is not None and member.incarnation == req.incarnation
+        else:
+            removed = member is not None and member.pid == req.pid
         if removed:
             del self._members[req.service_id]
             self._changed = True
-            self.counters["leaves"] += 1
+            self.counters["leaves" if req.incarnation else "gone"] += 1
         return LeaveReply(proto=PROTO_VERSION, id=req.id, removed=removed)
 
     def _report(self, req: SyncReportRequest) -> SyncReportReply:
@@ -204,6 +214,12 @@ class Membership:
         if m is not None and m.incarnation == c.incarnation:
             del self._members[c.service_id]
             self.counters["dropped"] += 1
+
+    def holds(self, c: Candidate) -> bool:
+        """Whether candidate `c` is still registered (no LEAVE, not replaced by a new incarnation)."""
+        with self._lock:
+            m = self._members.get(c.service_id)
+            return m is not None and m.incarnation == c.incarnation
 
     def wait_reports(
         self, epoch: int, version: int, service_ids: list[str], timeout_s: float

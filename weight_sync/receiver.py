@@ -236,7 +236,7 @@ class WeightReceiver:
         while not self._stop.is_set():
             try:
                 reply = self._live_control().join(
-                    self.service_id, self.incarnation, self.version, self.device.type
+                    self.service_id, self.incarnation, self.version, self.device.type, pid=os.getpid()
                 )
                 break
             except RpcTimeout:

@@ -88,7 +88,8 @@ class WeightSyncConfig(Section):
     """A member that stops its heartbeat (bumped while it waits in a collective) for this long
     during a publish is taken for crashed or hung: the epoch is abandoned at once instead of
     after publish_timeout_s, and the next epoch is formed without it. This is about what a
-    crashed receiver costs the learner."""
+    crashed receiver costs the learner where nothing else reports the death (`sluice run` and
+    `sluice ray` do at once: sluice/launch/departed.py)."""
     ready_timeout_s: float = Field(default=10.0, gt=0)
     """When the group is rebuilt (a membership epoch), candidates that do not confirm within
     this are left out (they join again later). A member of the last epoch whose heartbeat there

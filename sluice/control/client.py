@@ -101,15 +101,18 @@ class ControlClient:
     # -- weight-sync membership ------------------------------------------------------------------
 
     def join(
-        self, service_id: str, incarnation: str, held_version: int, device: str = "cpu"
+        self, service_id: str, incarnation: str, held_version: int, device: str = "cpu", pid: int = 0
     ) -> msg.JoinReply:
         return self._call(
             msg.JoinRequest, msg.JoinReply, service_id=service_id, incarnation=incarnation,
-            held_version=held_version, device=device,
+            held_version=held_version, device=device, pid=pid,
         )  # fmt: skip
 
-    def leave(self, service_id: str, incarnation: str) -> msg.LeaveReply:
-        return self._call(msg.LeaveRequest, msg.LeaveReply, service_id=service_id, incarnation=incarnation)
+    def leave(self, service_id: str, incarnation: str = "", pid: int = 0) -> msg.LeaveReply:
+        """A receiver leaves (`incarnation`), or a launcher reports its process dead (`pid`)."""
+        return self._call(
+            msg.LeaveRequest, msg.LeaveReply, service_id=service_id, incarnation=incarnation, pid=pid
+        )
 
     def sync_report(
         self,

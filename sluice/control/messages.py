@@ -73,13 +73,21 @@ class JoinRequest(_Request, tag="JOIN"):
     # W: receiver, the device type its weights land on (cpu, cuda, npu). R: learner, which
     # picks each epoch's backend from its members' devices (gloo unless all share one accelerator)
     device: str = "cpu"
+    # W: receiver, its process id (0: not said). R: learner, so that a launcher that saw that
+    # process die can take it out of the group (LEAVE by pid) before its heartbeat stops
+    pid: int = 0
 
 
 class LeaveRequest(_Request, tag="LEAVE"):
-    """A receiver that stops leaves the group; the group is rebuilt without it."""
+    """A receiver that stops leaves the group; the group is rebuilt without it. A launcher
+    that saw a rollout process die sends it on the process's behalf, by pid."""
 
     service_id: str
-    incarnation: str  # W: receiver. R: learner; a stale incarnation's LEAVE removes nothing
+    # W: receiver. R: learner; a stale incarnation's LEAVE removes nothing
+    incarnation: str = ""
+    # W: launcher, instead of `incarnation`: the process it saw die. R: learner; removes the
+    # member only if its JOIN named this pid (its replacement, a new process, stays)
+    pid: int = 0
 
 
 class SyncReportRequest(_Request, tag="SYNC_REPORT"):

@@ -32,6 +32,7 @@ from rich.console import Console
 from sluice.config.learner import GroupPorts
 from sluice.config.loader import ENV_PREFIX, dump_config
 from sluice.config.run import RunConfig
+from sluice.launch.departed import leave_for_dead
 from sluice.launch.plan import RoleSpec, learner_restartable, plan_roles, what_next
 from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
@@ -240,6 +241,7 @@ class LocalLauncher:
             return False
         _signal_group(child.proc, signal.SIGKILL)  # whatever it started (engine processes)
         self.children.remove(child)
+        gone = leave_for_dead(self.cfg, child.spec, child.proc.pid)  # no publish waits for it
         new = self._spawn(child.spec, self.run_dir / "config.yaml")
         new.restarts = child.restarts + 1
         self.console.print(
@@ -252,6 +254,7 @@ class LocalLauncher:
                 "rc": rc,
                 "restarts": new.restarts,
                 "pid": new.proc.pid,
+                "left_weight_sync": gone,
             }
         )
         return True

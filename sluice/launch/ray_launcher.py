@@ -24,6 +24,7 @@ from sluice.config.learner import GroupPorts
 from sluice.config.loader import config_from_dict, dump_config
 from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
+from sluice.launch.departed import leave_for_dead
 from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
 from sluice.launch.plan import RoleSpec, find_spec, learner_restartable, plan_roles, run_role_spec, what_next
 from sluice.launch.progress import training_progress
@@ -442,6 +443,7 @@ class RayLauncher:
         p.restarts += 1
         self.console.print(f"[yellow]{p.name} {why}; restarting it ({p.restarts}/{p.spec.max_restarts})")
         ray.kill(p.actor, no_restart=True)
+        gone = leave_for_dead(self.cfg, p.spec, int((p.node or {}).get("pid", 0)))  # no publish waits for it
         was = (p.node or {}).get("node_id")
         self._start_actors([p])
         moved = p.node is not None and p.node.get("node_id") != was
@@ -452,7 +454,7 @@ class RayLauncher:
                 "every node mounts, then run the config again with learner.resume=auto"
             )
             return EXIT_FAILED
-        self._record("restarted", p, restarts=p.restarts, reason=why)
+        self._record("restarted", p, restarts=p.restarts, reason=why, left_weight_sync=gone)
         p.ref = p.actor.run.remote(self.config)
         return None
 
