@@ -5,9 +5,10 @@ The weight-sync group would find out by itself: the dead receiver's heartbeat st
 (docs/architecture.md, Weight sync, "Failures never hang the learner"). The launcher knows at
 once, so it LEAVEs the process's services on every learner's control plane, by pid: a publish
 waiting for the dead member's report then counts it as gone, and the next epoch is formed
-without it. A service's replacement is a new process (another pid) and is not touched. Best
-effort: a learner that does not answer within `timeout_s` is left to its heartbeat watch.
-Both `sluice run` and `sluice ray` call it before they start the replacement.
+without it. Both `sluice run` and `sluice ray` call it before they start the replacement, so
+the replacement (which JOINs later, with its own pid) is never taken out, even where its pid is
+the dead one's (another node, another container). Best effort: a learner that does not answer
+within `timeout_s` is left to its heartbeat watch.
 """
 
 from __future__ import annotations
