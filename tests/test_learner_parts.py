@@ -101,11 +101,12 @@ def test_batch_source_leases_whole_groups_under_the_bound(shard_factory, prefetc
         assert batch.gets == 1  # the whole batch was waiting in the shard
         source.request(4)  # t14 (version 2) is too old now: the batch waits for data
         late = [traj(20 + i, f"late{i}", 2, 4) for i in range(4)]
-        if prefetch:
-            threading.Timer(0.3, lambda: producer.put(late)).start()
-        else:
-            producer.put(late)
+        late_put = threading.Timer(0.3 if prefetch else 0.0, lambda: producer.put(late))
+        late_put.start()
+        if not prefetch:
+            late_put.join()  # the data is there before the take
         batch = source.take()
+        late_put.join()  # its PUT's reply too: one client's sockets serve one thread at a time
         assert [t.traj_id for t in batch.leased.trajs] == ["t20", "t21", "t22", "t23"]
         # (the shard counts the drop; a GET parked on an empty queue does not report it back)
         assert producer.stats()[0].stats["dropped_stale"] == 3
@@ -144,9 +145,11 @@ def test_batch_source_never_holds_a_partial_batch_near_its_lease_timeout(shard_f
     source = BatchSource([shard.endpoint], "default", lc, threading.Event(), lease_timeout_s=1.0)
     try:
         producer.put([traj(i, f"g{i}", 1) for i in range(2)])
-        threading.Timer(1.5, lambda: producer.put([traj(i, f"g{i}", 1) for i in range(2, 4)])).start()
+        more = threading.Timer(1.5, lambda: producer.put([traj(i, f"g{i}", 1) for i in range(2, 4)]))
+        more.start()
         source.request(0)
         batch = source.take()
+        more.join()  # the producer is used below: one client's sockets serve one thread at a time
         assert sorted(t.traj_id for t in batch.leased.trajs) == ["t0", "t1", "t2", "t3"]
         assert source.restarts >= 1 and batch.gets >= 2
         assert producer.stats()[0].stats["redelivered"] >= 2  # NACKed, never expired inside
@@ -168,9 +171,11 @@ def test_a_batch_that_gets_its_own_trajectories_back_starts_over_without_duplica
     source = BatchSource([shard.endpoint], "default", lc, threading.Event(), lease_timeout_s=600)
     try:
         producer.put([traj(i, f"g{i}", 1) for i in range(2)])
-        threading.Timer(1.5, lambda: producer.put([traj(i, f"g{i}", 1) for i in range(2, 4)])).start()
+        more = threading.Timer(1.5, lambda: producer.put([traj(i, f"g{i}", 1) for i in range(2, 4)]))
+        more.start()
         source.request(0)
         batch = source.take()
+        more.join()  # before the producer closes: one client's sockets serve one thread at a time
         ids = [t.traj_id for t in batch.leased.trajs]
         assert len(ids) == len(set(ids)) == 4 and source.restarts >= 1
         assert set(ids) <= {"t0", "t1", "t2", "t3"}
