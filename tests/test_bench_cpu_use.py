@@ -34,6 +34,9 @@ def cpu_seconds(pid: int) -> float:
 def test_cpu_per_step_of_a_busy_and_an_idle_process(cpu_use, process_reaper):
     busy = spawn("while True: pass", process_reaper)
     idle = spawn("import time; time.sleep(600)", process_reaper)
+    # past its interpreter's start-up (CPU it would spend inside the window), asleep for good
+    asleep = lambda: psutil.Process(idle.pid).status() == psutil.STATUS_SLEEPING  # noqa: E731
+    wait_until(asleep, 30, "the idle process asleep")
     sampler = cpu_use.CpuSampler(lambda: {"busy": busy.pid, "idle": idle.pid}, warmup=2, cores=2)
     sampler.poll(1)  # before the warm-up ends: not a look
     assert sampler.first is None and sampler.per_step() is None
