@@ -204,6 +204,7 @@ class ActorLoop:
         for link in self.links.values():
             link.weights.start()
         self._heartbeat.start()
+        log.info("%s: waiting for the first weights of %s", self.service_id, ", ".join(self.links))
         if not all(self._wait_first_weights(link) for link in self.links.values()):
             return 1
         while not self.stop.is_set():
@@ -219,6 +220,7 @@ class ActorLoop:
                 self._one_batch()
             except (PutAborted, RpcAborted):
                 continue  # stopping: the loop condition or the feeds' state ends the service
+        log.info("%s stops after %d samples delivered", self.service_id, self.delivered)
         return 0
 
     def _one_batch(self) -> None:
@@ -266,6 +268,10 @@ class ActorLoop:
             if link.weights.done:
                 log.error("weight feed ended before the first weights: %r", link.weights.error)
                 return False
+        if self.stop.is_set():
+            log.info("%s: asked to stop before the first weights of %s", self.service_id, link.policy)
+        else:
+            log.error("%s: no weights of %s within weight_sync.timeout_s", self.service_id, link.policy)
         return False
 
     def _load(self, policy: str, update: WeightUpdate) -> None:
