@@ -25,6 +25,7 @@ import zmq
 from prometheus_client import Counter, Gauge
 
 from sluice.buffer.client import BufferClient, PutAborted
+from sluice.config.rollout import rollout_service_id
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
 from sluice.launch.heap import freeze_startup_heap, retain_freed_memory
@@ -171,7 +172,7 @@ class ActorLoop:
         self.prom = conn.prom
         self._zmq_ctx = conn.zmq_ctx
         self.wait_for_published = wait_for_published
-        self.service_id = f"rollout-{index}"
+        self.service_id = rollout_service_id(index)
         # Accounting identity on the control plane: a restarted service is a new incarnation.
         self.control_id = f"{self.service_id}.{uuid.uuid4().hex[:8]}"
         producer.group_prefix = self.control_id  # so a restarted service never reuses a group id

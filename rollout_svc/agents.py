@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sluice.config.errors import ConfigError
 from sluice.config.policy import checkpoint_root, policy_view
+from sluice.config.rollout import rollout_service_id
 from sluice.config.run import RunConfig
 from sluice.config.task import AgentConfig
 from sluice.metrics import PrometheusEndpoint
@@ -65,7 +66,7 @@ class MultiAgentProducer:
 
     def __init__(self, cfg: RunConfig, index: int, registry: CollectorRegistry) -> None:
         self.cfg = cfg
-        self.service_id = f"rollout-{index}"
+        self.service_id = rollout_service_id(index)
         self.group_prefix = self.service_id  # the loop sets its incarnation's id
         task = build_task(cfg.task, seed=cfg.run.seed * 7919 + index)
         self.task = check_task_agents(task, cfg.task.agents)

@@ -17,6 +17,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sluice.config.policy import policy_of_service, policy_view
+from sluice.config.rollout import rollout_service_id
 from sluice.config.run import RunConfig
 from sluice.launch.threads import role_threads
 from sluice.metrics import PrometheusEndpoint
@@ -59,7 +60,7 @@ class EnvProducer(OnePolicy):
     def __init__(self, cfg: RunConfig, index: int, registry: CollectorRegistry) -> None:
         self.cfg = cfg
         self.policy_id, _ = policy_of_service(cfg, index)
-        self.service_id = f"rollout-{index}"
+        self.service_id = rollout_service_id(index)
         self.group_prefix = self.service_id  # the loop sets its incarnation's id
         torch.set_num_threads(role_threads(cfg.rollout.torch_threads))
         model, _ = load_policy_model(cfg, materialize_policy_dir(cfg), torch.device("cpu"))

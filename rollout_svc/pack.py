@@ -20,6 +20,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Metric
 
 from sluice.config.loader import ConfigError
+from sluice.config.rollout import rollout_service_id
 from sluice.config.run import RunConfig
 from sluice.metrics import PrometheusEndpoint
 from sluice.net import raise_fd_limit
@@ -106,7 +107,7 @@ def build_pack(cfg: RunConfig, first: int, count: int, stop: threading.Event) ->
     metrics = PackMetrics(cfg, first)
     metrics.start()
     return [
-        build_actor(cfg, i, stop, prom=metrics.for_service(f"rollout-{i}"), zmq_ctx=ctx)
+        build_actor(cfg, i, stop, prom=metrics.for_service(rollout_service_id(i)), zmq_ctx=ctx)
         for i in range(first, first + count)
     ]
 
@@ -129,7 +130,7 @@ def run_pack(cfg: RunConfig, first: int, count: int, stop: threading.Event) -> i
             codes[i] = 1
 
     threads = [
-        threading.Thread(target=one, args=(i, loop), name=f"rollout-{first + i}", daemon=True)
+        threading.Thread(target=one, args=(i, loop), name=rollout_service_id(first + i), daemon=True)
         for i, loop in enumerate(loops)
     ]
     for t in threads:

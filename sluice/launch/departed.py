@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from sluice.config.policy import policy_view
+from sluice.config.rollout import rollout_service_id
 from sluice.config.run import RunConfig
 from sluice.launch.plan import RoleSpec
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def service_ids(spec: RoleSpec) -> list[str]:
     """The weight-sync service ids of a rollout process (one, or each of a pack's)."""
-    return [f"rollout-{i}" for i in range(spec.index, spec.index + spec.count)]
+    return [rollout_service_id(i) for i in range(spec.index, spec.index + spec.count)]
 
 
 def leave_for_dead(cfg: RunConfig, spec: RoleSpec, pid: int, timeout_s: float = 1.0) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Literal
 from sluice.config.learner import GroupPorts
 from sluice.config.policy import learner_role, served_policies
 from sluice.config.ray import RoleResources
+from sluice.config.rollout import rollout_service_id
 from sluice.config.run import RunConfig
 
 RoleKind = Literal["buffer", "learner", "rollout"]
@@ -80,7 +81,7 @@ def rollout_spec(cfg: RunConfig, index: int) -> RoleSpec:
         "rollout",
         index,
         served[0],
-        f"rollout-{index}",
+        rollout_service_id(index),
         cfg.ray.rollout,
         exits_with_run=True,
         max_restarts=cfg.rollout.max_restarts,

@@ -21,6 +21,7 @@ from rich.console import JustifyMethod
 from rich.table import Table
 
 from sluice.buffer.client import BufferClient
+from sluice.config.rollout import rollout_service_id
 from sluice.config.run import RunConfig
 from sluice.control.client import ControlClient
 from sluice.control.messages import ServiceStatus
@@ -77,7 +78,7 @@ def _control_rows(cfg: RunConfig, snap: Snapshot, ctx, timeout_s: float) -> tupl
     try:
         status = client.status()
     except (RpcTimeout, RpcError):
-        expected = [RoleRow(f"rollout-{i}", "unreachable") for i in range(cfg.rollout.services)]
+        expected = [RoleRow(rollout_service_id(i), "unreachable") for i in range(cfg.rollout.services)]
         return RoleRow("learner", "unreachable"), expected
     finally:
         client.close()
