@@ -415,7 +415,7 @@ def sluice_result(run_dir: Path, t_launch: float) -> dict:
     base = {"system": "sluice", "run_dir": str(run_dir)}
     if not steps or not batches:
         return {**base, **summarize_curve([]), "curve": []}
-    clock0 = min(b["time"] - b["put_s"] - b["score_s"] - b["generate_s"] for b in batches)
+    clock0 = min(generation_start(b) for b in batches)
     curve = [
         {
             "step": r["version"],
@@ -430,7 +430,10 @@ def sluice_result(run_dir: Path, t_launch: float) -> dict:
     generated = sum(b["tokens"] for b in batches if b["time"] <= until)
     phases = {
         "learner": median_of(steps, ("compute_s", "compute_cpu_s", "wait_s", "sync_s", "step_s")),
-        "rollout": median_of(batches, ("generate_s", "pause_s", "put_s")),
+        "rollout": {
+            **median_of(batches, ("generate_s", "pause_s", "put_s")),
+            "version_to_generate_s": version_to_generate(steps, batches),
+        },
     }
     return {
         **base,
@@ -442,6 +445,25 @@ def sluice_result(run_dir: Path, t_launch: float) -> dict:
         "phases": phases,
         "curve": curve,
     }
+
+
+def generation_start(batch: dict) -> float:
+    """When a rollout batch's generation began (its record is written after its PUT)."""
+    return batch["time"] - batch["put_s"] - batch["score_s"] - batch["generate_s"]
+
+
+def version_to_generate(steps: list[dict], batches: list[dict]) -> float | None:
+    """Median time from the learner's record of version v (written after it published v) to
+    the first generation on v: the weight-sync and admission hops on the path a step waits for
+    when generation is as slow as training (docs/architecture.md, "Where a version's first
+    generation waits"). None: no batch generated on a recorded version."""
+    recorded = {r["version"]: r["time"] for r in steps}
+    first: dict[int, float] = {}
+    for b in batches:
+        if b["version"] in recorded:
+            first[b["version"]] = min(first.get(b["version"], math.inf), generation_start(b))
+    lags = [t - recorded[v] for v, t in first.items()]
+    return statistics.median(lags) if lags else None
 
 
 # -- TRL ---------------------------------------------------------------------------------------
@@ -949,6 +971,7 @@ PHASE_COLUMNS = (
     ("learner wait", ("learner", "wait_s"), None),
     ("weight sync", ("learner", "sync_s"), None),
     ("rollout pause", ("rollout", "pause_s"), None),
+    ("version to generate", ("rollout", "version_to_generate_s"), None),
     ("put", ("rollout", "put_s"), None),
 )
 
@@ -957,7 +980,8 @@ def phases_table(runs: list[dict], batch: int) -> Table:
     table = Table(
         title=f"Per-phase medians (s). generate: one batch of {batch} (TRL: with reward and advantages); "
         "train: Sluice forward+backward+AdamW, TRL forward+backward; train on-CPU: the CPU time of "
-        "Sluice's training thread in it (the rest it waited for the GIL or a core); "
+        "Sluice's training thread in it (the rest it waited for the GIL or a core); version to "
+        "generate: from the learner's record of a version (after its publish) to the first generation on it; "
         "optimizer: TRL clip+AdamW+zero_grad"
     )
     for col in ("system", "task", "seed", *(c[0] for c in PHASE_COLUMNS)):

@@ -190,6 +190,18 @@ def test_the_group_sets_both_systems_batch(bench, tmp_path):
     assert {"run.seed=3", "task.name=copy", "learner.total_steps=9", "model.path=m"} <= set(overrides)
 
 
+def test_version_to_generate_is_from_the_learners_record_to_the_first_generation_on_it(bench):
+    steps = [{"version": 1, "time": 10.0}, {"version": 2, "time": 20.0}, {"version": 3, "time": 30.0}]
+
+    def batch(version: int, started: float) -> dict:  # a batch record is written after its PUT
+        return {"version": version, "time": started + 0.5, "put_s": 0.1, "score_s": 0.1, "generate_s": 0.3}
+
+    batches = [batch(1, 10.01), batch(1, 10.5), batch(2, 20.03), batch(3, 30.02), batch(9, 99.0)]
+    # v1: the first of its two batches; v9 was never recorded (the run ended first)
+    assert bench.version_to_generate(steps, batches) == pytest.approx(0.02)
+    assert bench.version_to_generate(steps, [batch(9, 99.0)]) is None
+
+
 def test_cpu_columns_sum_the_services_and_split_the_trainers_main_thread(bench):
     sluice = {
         "cpu_s": {
@@ -229,7 +241,8 @@ def test_quick_sluice_and_bound(tmp_path):
     assert run["system"] == "sluice"
     check_run(run)
     assert set(run["phases"]["learner"]) == {"compute_s", "compute_cpu_s", "wait_s", "sync_s", "step_s"}
-    assert set(run["phases"]["rollout"]) == {"generate_s", "pause_s", "put_s"}
+    assert set(run["phases"]["rollout"]) == {"generate_s", "pause_s", "put_s", "version_to_generate_s"}
+    assert run["phases"]["rollout"]["version_to_generate_s"] > 0
     bound = data["bound"]
     assert all(bound[k][t] > 0 for k in ("train_s", "generate_s") for t in ("1", "2"))
     assert bound["bound_s_per_step"] == max(bound["train_s"]["1"], bound["generate_s"]["1"])
