@@ -340,7 +340,14 @@ class ActorLoop:
         """Samples of `link`'s policy granted (0: the service stops or the learner is done)."""
         while not self.stop.is_set() and not link.weights.done:
             wait_ms = self.cfg.control.admit_wait_ms
-            reply = link.control.admit(self.control_id, want, group_size, wait_ms, delivered=link.delivered)
+            reply = link.control.admit(
+                self.control_id,
+                want,
+                group_size,
+                wait_ms,
+                delivered=link.delivered,
+                member=link.weights.member,
+            )
             link.weights.observe(reply.weights_version)
             if reply.granted:
                 if not self.wait_for_published:

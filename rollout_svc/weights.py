@@ -40,6 +40,11 @@ class WeightFeed(Protocol):
     def observe(self, version: int) -> None:
         """The control plane says weights of `version` are published."""
 
+    @property
+    def member(self) -> str:
+        """The weight-sync service id its receiver JOINed as ("": no receiver): ADMITs name it."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -69,6 +74,10 @@ class ReceiverFeed:
 
     def observe(self, version: int) -> None:
         """The receiver learns versions from the broadcast itself."""
+
+    @property
+    def member(self) -> str:
+        return self.receiver.service_id
 
     def stop(self) -> None:
         self.receiver.stop()
@@ -105,6 +114,10 @@ class VersionFeed:
 
     def start(self) -> None:
         pass
+
+    @property
+    def member(self) -> str:
+        return ""  # no receiver: grants follow the published version
 
     def observe(self, version: int) -> None:
         with self._cond:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
+from helpers.wait import wait_until
 
+from sluice.control.client import ControlClient
 from sluice.rpc import RpcError
 from sluice.weight_sync.group import epoch_backend
 from sluice.weight_sync.membership import Candidate, Membership
@@ -157,3 +160,40 @@ def test_join_carries_the_device_the_epoch_backend_follows(control):
 )
 def test_epoch_backend_follows_every_members_device(configured, learner, members, want):
     assert epoch_backend(configured, learner, members) == want
+
+
+def test_a_grant_follows_the_asking_services_own_verified_version(control):
+    """Batch 8, max_staleness 0: quota is 8 per version. A service whose own receiver verified
+    v1 is admitted on v1 at once, before every member has it (published is still 0); one that
+    has not verified it waits for the publish, and a report cannot raise quota past what the
+    learner announced."""
+    server, client = control
+    membership = Membership()
+    server.attach_membership(membership)
+    client.join("rollout-0", "inc-a", -1)
+    client.join("rollout-1", "inc-b", -1)
+    assert client.admit("rollout-0.a", 8, 4, member="rollout-0").granted == 8  # v0's quota used up
+    membership.next_seq(1)  # the learner announces v1 ...
+    asked: list = []
+
+    def ask() -> None:  # ... while rollout-0 long-polls for more
+        own = ControlClient(server.endpoint, timeout_s=5)
+        try:
+            asked.append(own.admit("rollout-0.a", 8, 4, wait_ms=60_000, member="rollout-0"))
+        finally:
+            own.close()
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    wait_until(lambda: len(server._parked) == 1, 10, "the ADMIT parked", interval_s=0.005)
+    client.sync_report("rollout-0", "inc-a", epoch=0, version=1, outcome="ok")  # its receiver has v1
+    thread.join(timeout=10)
+    assert asked and asked[0].granted == 8 and asked[0].weights_version == 1
+    # rollout-1 has not verified v1, and an ADMIT naming no member follows the published v0
+    assert client.admit("rollout-1.b", 8, 4, member="rollout-1").granted == 0
+    assert client.admit("rollout-1.b", 8, 4).granted == 0
+    client.sync_report("rollout-1", "inc-b", epoch=0, version=7, outcome="ok")  # never announced
+    assert membership.verified("rollout-1") == 1 and membership.verified("rollout-9") == -1
+    assert client.admit("rollout-1.b", 8, 4, member="rollout-1").granted == 0  # v1's quota is used
+    server.set_published(1)
+    assert client.admit("rollout-1.b", 8, 4).granted == 0  # published v1: 16 started of 16

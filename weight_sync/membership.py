@@ -217,6 +217,15 @@ class Membership:
         self.counters[counter] += 1
         return True
 
+    def verified(self, service_id: str) -> int:
+        """The newest version `service_id`'s current incarnation reported verified (-1: none,
+        or not a member); never above the newest version announced or published (a report
+        cannot raise admission past what the learner sent)."""
+        with self._lock:
+            m = self._members.get(service_id)
+            newest = max(self.announced_version, self.published_version)
+            return min(m.version, newest) if m is not None else -1
+
     def holds(self, c: Candidate) -> bool:
         """Whether candidate `c` is still registered (no LEAVE, not replaced by a new incarnation)."""
         with self._lock:

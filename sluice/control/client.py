@@ -72,12 +72,20 @@ class ControlClient:
         return reply
 
     def admit(
-        self, service_id: str, n: int, group_size: int, wait_ms: int = 0, delivered: int = -1
+        self,
+        service_id: str,
+        n: int,
+        group_size: int,
+        wait_ms: int = 0,
+        delivered: int = -1,
+        member: str = "",
     ) -> msg.AdmitReply:
-        """`wait_ms` > 0 long-polls: the reply comes when quota frees up or after wait_ms."""
+        """`wait_ms` > 0 long-polls: the reply comes when quota frees up or after wait_ms.
+        `member`: the service's weight-sync id (AdmitRequest.member)."""
         return self._call_patiently(
             msg.AdmitRequest, msg.AdmitReply, self.timeout_s + wait_ms / 1000,
             service_id=service_id, n=n, group_size=group_size, wait_ms=wait_ms, delivered=delivered,
+            member=member,
         )  # fmt: skip
 
     def refund(self, service_id: str, n: int) -> None:

@@ -35,6 +35,10 @@ class AdmitRequest(_Request, tag="ADMIT"):
     # W: rollout, samples it has PUT so far (as in HEARTBEAT; -1: not said). R: server, the
     # count a service that dies is credited with (the newest of its ADMITs and heartbeats)
     delivered: int = -1
+    # W: rollout, the weight-sync service id its receiver JOINed as ("": none, e.g. sim). R:
+    # server: the grant may follow the newest version that member reported verified, before
+    # every member has (the published version); weights_version in the reply says which
+    member: str = ""
 
 
 class RefundRequest(_Request, tag="REFUND"):

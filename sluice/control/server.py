@@ -88,6 +88,10 @@ class MembershipRegistry(Protocol):
         """Epoch, members and counters for STATUS."""
         ...
 
+    def verified(self, service_id: str) -> int:
+        """The newest version member `service_id` reported verified (-1: none)."""
+        ...
+
 
 class ControlServer:
     def __init__(
@@ -245,7 +249,7 @@ class ControlServer:
         while self._parked:
             envelope, req, deadline = self._parked[0]
             with self._lock:
-                room = self.admission.quota(self._published) - self.admission.started
+                room = self.admission.quota(self._weights_for(req)) - self.admission.started
                 if room < req.group_size and now < deadline and not self._stop.is_set():
                     break
                 reply = self._admit(req, park=False)
@@ -332,13 +336,14 @@ class ControlServer:
     @overload
     def _admit(self, req: AdmitRequest, park: bool) -> AdmitReply | _Park: ...
     def _admit(self, req: AdmitRequest, park: bool) -> AdmitReply | _Park:
-        """Under the lock. Quota follows the published weights: admitted work is generated
-        with them. Nothing to grant and `park`: the request waits (see _serve_parked)."""
+        """Under the lock. Quota follows the weights the admitted work is generated with
+        (`_weights_for`). Nothing to grant and `park`: the request waits (see _serve_parked)."""
         if req.wait_ms < 0:
             raise ValueError(f"wait_ms={req.wait_ms} must be >= 0")
-        if park and (self._parked or self.admission.quota(self._published) <= self.admission.started):
+        weights = self._weights_for(req)
+        if park and (self._parked or self.admission.quota(weights) <= self.admission.started):
             return _Park(req)  # behind earlier waiters, or no room: wait for quota
-        granted = self.admission.admit(req.service_id, req.n, req.group_size, self._published)
+        granted = self.admission.admit(req.service_id, req.n, req.group_size, weights)
         if granted == 0 and park:
             return _Park(req)
         reply = AdmitReply(
@@ -346,10 +351,20 @@ class ControlServer:
             id=req.id,
             granted=granted,
             version=self._version,
-            weights_version=self._published,
+            weights_version=weights,
             retry_after_ms=0 if granted >= req.n or req.wait_ms > 0 else self.retry_after_ms,
         )
         return self._remember(req, reply) if granted else reply
+
+    def _weights_for(self, req: AdmitRequest) -> int:
+        """Under the lock: the weights version `req`'s work will be generated with at least.
+        The published one (every member verified it), or newer where the asking service's own
+        receiver has reported a newer one verified: it takes its newest weights before it
+        generates, so its grant need not wait for the slowest member (docs/architecture.md,
+        "Where a version's first generation waits")."""
+        if not req.member or self._membership is None:
+            return self._published
+        return max(self._published, self._membership.verified(req.member))
 
     def _remember(self, req: AdmitRequest | RefundRequest, reply: _R) -> _R:
         """Under the lock: keep the answer to a sequenced request for its re-send."""
