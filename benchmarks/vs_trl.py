@@ -921,16 +921,22 @@ def seed_ratios(s: dict, t: dict) -> dict:
 
 def against_bound(runs: list[dict], bound: dict) -> list[dict]:
     """Sluice's measured seconds per step (median learner step_s, and clock time / steps) next
-    to the bound per step measured around the run (the run-wide one where it has none)."""
+    to the bound per step measured around the run (the run-wide one where it has none); and the
+    training thread's CPU time a step against plain torch's training step alone: above 1, the
+    same arithmetic ran slower inside the run than around it (the other core's load, the VM),
+    which no overhead of Sluice's explains."""
     rows = []
     for r in (r for r in runs if r["system"] == "sluice"):
-        step_s = r.get("phases", {}).get("learner", {}).get("step_s")
+        learner = r.get("phases", {}).get("learner", {})
+        step_s, train_cpu = learner.get("step_s"), learner.get("compute_cpu_s")
         wall = r.get("s_per_step")
         b = r.get("bound_s_per_step", bound["bound_s_per_step"])
+        train_alone = r.get("bound_train_s", bound["train_s"]["1"])
         rows.append({
             "task": r["task"], "seed": r["seed"], "repeat": r.get("repeat", 0), "bound_s_per_step": b,
             "median_step_s": step_s, "median_step_over_bound": step_s / b if step_s else None,
             "wall_s_per_step": wall, "wall_over_bound": wall / b if wall else None,
+            "train_cpu_over_alone": train_cpu / train_alone if train_cpu else None,
         })  # fmt: skip
     return rows
 
@@ -1093,13 +1099,16 @@ def bound_table(bound: dict) -> Table:
 
 def against_bound_table(rows: list[dict]) -> Table:
     table = Table(title="Sluice s/step against the bound (one core per phase)")
-    for col in ("task", "seed", "bound s", "median learner step s", "ratio", "clock s / steps", "ratio"):
+    columns = ("task", "seed", "bound s", "median learner step s", "ratio", "clock s / steps", "ratio",
+               "train on-CPU / train@1 alone")  # fmt: skip
+    for col in columns:
         table.add_column(col)
     for r in rows:
         table.add_row(
             r["task"], run_label(r), fmt(r["bound_s_per_step"], ".4f"),
             fmt(r["median_step_s"], ".4f"), fmt(r["median_step_over_bound"], ".2f"),
             fmt(r["wall_s_per_step"], ".4f"), fmt(r["wall_over_bound"], ".2f"),
+            fmt(r.get("train_cpu_over_alone"), ".2f"),
         )  # fmt: skip
     return table
 
@@ -1213,14 +1222,15 @@ def bracketed(run, spec: dict, progress: Progress, model_dir: Path, repeats: int
     if run is not run_sluice:
         return run(spec, progress)
     batch = step_batch(spec["group"])
-    before = measure_bound(model_dir, repeats, 2, batch, (1,))["bound_s_per_step"]
+    before = measure_bound(model_dir, repeats, 2, batch, (1,))
     result = run(spec, progress)
-    after = measure_bound(model_dir, repeats, 2, batch, (1,))["bound_s_per_step"]
+    after = measure_bound(model_dir, repeats, 2, batch, (1,))
     return {
         **result,
-        "bound_s_per_step": (before + after) / 2,
-        "bound_before_s": before,
-        "bound_after_s": after,
+        "bound_s_per_step": (before["bound_s_per_step"] + after["bound_s_per_step"]) / 2,
+        "bound_before_s": before["bound_s_per_step"],
+        "bound_after_s": after["bound_s_per_step"],
+        "bound_train_s": (before["train_s"]["1"] + after["train_s"]["1"]) / 2,
     }
 
 

@@ -202,6 +202,21 @@ def test_version_to_generate_is_from_the_learners_record_to_the_first_generation
     assert bench.version_to_generate(steps, [batch(9, 99.0)]) is None
 
 
+def test_against_bound_sets_the_training_threads_cpu_against_training_alone(bench):
+    run = {
+        "system": "sluice", "task": "copy", "seed": 2, "s_per_step": 0.066,
+        "phases": {"learner": {"step_s": 0.065, "compute_cpu_s": 0.052}},
+        "bound_s_per_step": 0.050, "bound_train_s": 0.040,
+    }  # fmt: skip
+    (row,) = bench.against_bound([run, {"system": "trl"}], {"bound_s_per_step": 1.0, "train_s": {"1": 1.0}})
+    assert row["median_step_over_bound"] == pytest.approx(1.3)
+    assert row["wall_over_bound"] == pytest.approx(1.32)
+    assert row["train_cpu_over_alone"] == pytest.approx(1.3)  # the same work ran 30% slower in the run
+    del run["bound_train_s"]  # measured once for the whole run instead
+    (row,) = bench.against_bound([run], {"bound_s_per_step": 0.05, "train_s": {"1": 0.052}})
+    assert row["train_cpu_over_alone"] == pytest.approx(1.0)
+
+
 def test_cpu_columns_sum_the_services_and_split_the_trainers_main_thread(bench):
     sluice = {
         "cpu_s": {
@@ -247,7 +262,7 @@ def test_quick_sluice_and_bound(tmp_path):
     assert all(bound[k][t] > 0 for k in ("train_s", "generate_s") for t in ("1", "2"))
     assert bound["bound_s_per_step"] == max(bound["train_s"]["1"], bound["generate_s"]["1"])
     (vs_bound,) = data["sluice_vs_bound"]
-    assert vs_bound["wall_over_bound"] > 0
+    assert vs_bound["wall_over_bound"] > 0 and vs_bound["train_cpu_over_alone"] > 0
     # the run is set against the bound measured around it: the mean of before and after
     assert run["bound_before_s"] > 0 and run["bound_after_s"] > 0
     assert vs_bound["bound_s_per_step"] == (run["bound_before_s"] + run["bound_after_s"]) / 2
