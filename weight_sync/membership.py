@@ -121,8 +121,8 @@ class Membership:
         return LeaveReply(proto=PROTO_VERSION, id=req.id, removed=removed)
 
     def _report(self, req: SyncReportRequest) -> SyncReportReply:
-        member = self._members.get(req.service_id)
-        if member is not None and member.incarnation == req.incarnation:
+        member = self._named(req.service_id, incarnation=req.incarnation)
+        if member is not None:
             member.report = (req.epoch, req.version, req.outcome)
             self._reported.notify_all()
             if req.outcome == "ok":
@@ -196,8 +196,7 @@ class Membership:
         A candidate whose service joined again meanwhile (new incarnation) is left alone."""
         with self._lock:
             for c in committed:
-                m = self._members.get(c.service_id)
-                if m is not None and m.incarnation == c.incarnation:
+                if (m := self._named(c.service_id, incarnation=c.incarnation)) is not None:
                     m.state = "member"
             for c in dropped:
                 self._forget(c)
@@ -210,12 +209,19 @@ class Membership:
         """Remove `service_id` if it is still the member named by `incarnation` or `pid` (not a
         later JOIN of the same service); count it under `counter`. The caller holds the lock."""
         assert incarnation or pid > 0, "a removal names the member it means"
-        m = self._members.get(service_id)
-        if m is None or (incarnation and m.incarnation != incarnation) or (pid > 0 and m.pid != pid):
+        if self._named(service_id, incarnation=incarnation, pid=pid) is None:
             return False
         del self._members[service_id]
         self.counters[counter] += 1
         return True
+
+    def _named(self, service_id: str, *, incarnation: str = "", pid: int = 0) -> Member | None:
+        """Member `service_id` if it is still the one `incarnation` and `pid` name (each only
+        where given), not a later JOIN of the same service. The caller holds the lock."""
+        m = self._members.get(service_id)
+        if m is None or (incarnation and m.incarnation != incarnation) or (pid > 0 and m.pid != pid):
+            return None
+        return m
 
     def verified(self, service_id: str) -> int:
         """The newest version `service_id`'s current incarnation reported verified (-1: none,
@@ -229,8 +235,7 @@ class Membership:
     def holds(self, c: Candidate) -> bool:
         """Whether candidate `c` is still registered (no LEAVE, not replaced by a new incarnation)."""
         with self._lock:
-            m = self._members.get(c.service_id)
-            return m is not None and m.incarnation == c.incarnation
+            return self._named(c.service_id, incarnation=c.incarnation) is not None
 
     def wait_reports(
         self, epoch: int, version: int, service_ids: list[str], timeout_s: float
