@@ -4,6 +4,7 @@ quota back."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,16 +13,37 @@ from sluice.plugins import UserCodeError, resolve_function
 from sluice.rollout_svc.episodes import Sample
 
 GroupFilter = Callable[[list[Sample]], bool]
+log = logging.getLogger(__name__)
 
 
-def drop_zero_variance(spread: float) -> GroupFilter:
-    """DAPO's dynamic sampling: keep a group whose rewards differ (a group of one is kept)."""
+class ZeroVarianceFilter:
+    """DAPO's dynamic sampling: keeps a group whose rewards differ (a group of one is kept), and
+    after `keep_after` groups in a row dropped, the next one, so that a solved task (every group
+    scoring the same) does not starve the learner; `passed` counts those."""
 
-    def keep(group: list[Sample]) -> bool:
+    def __init__(self, spread: float, keep_after: int | None, service_id: str = "") -> None:
+        self.spread, self.keep_after, self.service_id = spread, keep_after, service_id
+        self.streak = 0  # groups dropped in a row
+        self.passed = 0
+
+    def __call__(self, group: list[Sample]) -> bool:
         rewards = [s.reward for s in group]
-        return len(group) < 2 or max(rewards) - min(rewards) > spread
-
-    return keep
+        if len(group) < 2 or max(rewards) - min(rewards) > self.spread:
+            self.streak = 0
+            return True
+        if self.keep_after is None or self.streak < self.keep_after:
+            self.streak += 1
+            return False
+        self.streak = 0
+        self.passed += 1
+        if self.passed == 1:
+            log.warning(
+                "%s: %d groups in a row scored alike (within min_spread; the last near %g): keeping "
+                "one of every %d so the learner is not starved (its advantages are zero). Every "
+                "group scoring the same means the task is solved or gives no signal.",
+                self.service_id or "rollout", self.keep_after, rewards[0], self.keep_after + 1,
+            )  # fmt: skip
+        return True
 
 
 def user_filter(fn: Any, params: Any, key: str) -> GroupFilter:
@@ -40,11 +62,11 @@ def user_filter(fn: Any, params: Any, key: str) -> GroupFilter:
     return keep
 
 
-def build_filters(stages: Sequence[Any]) -> list[GroupFilter]:
+def build_filters(stages: Sequence[Any], service_id: str = "") -> list[GroupFilter]:
     out: list[GroupFilter] = []
     for i, st in enumerate(stages):
         if isinstance(st, DropZeroVariance):
-            out.append(drop_zero_variance(st.min_spread))
+            out.append(ZeroVarianceFilter(st.min_spread, st.keep_after, service_id))
             continue
         key = f"workflow.rollout[{i}].stage"
         fn, params = resolve_function(

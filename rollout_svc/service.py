@@ -75,7 +75,7 @@ class LLMProducer(OnePolicy):
         self.acting = self.engine
         self.task: Task = build_task(cfg.task, seed=cfg.run.seed * 7919 + index)
         self.scorer = Scorer(self.task, cfg.task)
-        self.filters = build_filters(effective_workflow(cfg).rollout)
+        self.filters = build_filters(effective_workflow(cfg).rollout, self.service_id)
         self.tokenizer = self.engine.tokenizer
         if cfg.model.chat_template is not None:
             self.tokenizer.chat_template = cfg.model.chat_template  # type: ignore[attr-defined]

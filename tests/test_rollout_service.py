@@ -173,6 +173,32 @@ def test_zero_variance_groups_are_dropped_and_their_quota_refunded(tmp_path, sha
     assert all(max(r) > min(r) for r in groups.values())
 
 
+def test_a_task_every_group_scores_the_same_on_does_not_starve_the_learner(tmp_path, shard_factory):
+    """Once a task is solved every group is zero-variance: DAPO's filter keeps one after
+    `keep_after` dropped in a row (its quota refunded for the rest) instead of delivering nothing."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{d} =", "answer": str(d)}) + "\n" for d in range(4)))
+    (tmp_path / "rewards.py").write_text("def solved(prompt, completion, reference):\n    return 1.0\n")
+    dapo = [{"stage": "drop_zero_variance", "keep_after": 3}]
+    solved = f"{tmp_path}/rewards.py:solved"
+    cfg, _ = sim_config(
+        tmp_path,
+        shard_factory(),
+        task={"name": "dataset", "params": {"path": str(data)}, "rewards": [{"fn": solved}]},
+        workflow={"rollout": dapo, "learner": [{"stage": "group_advantages"}, {"stage": "policy_loss"}]},
+        rollout={"prompts_per_batch": 2, "group_size": 2, "sim": {
+            "decode_step_s": 0.0, "decode_s_per_seq": 0.0, "call_s": 0.0, "eos_prob": 0.2}},
+        learner={"batch_size": 64, "max_staleness": 3},
+    )  # fmt: skip
+    st = ServiceThread(cfg)
+    st.run_until(lambda s: s.delivered >= 8)
+    dropped = st.service.totals.get("dropped_groups", 0)
+    kept = st.service.delivered // 2
+    assert dropped >= 3 * kept  # three dropped before each one kept
+    assert st.drain.control.admission.started == st.service.delivered  # the dropped groups' quota came back
+    assert all(t.reward == 1.0 for t in st.buffered(cfg))
+
+
 def test_groups_a_reward_fails_on_are_skipped_counted_and_their_quota_refunded(tmp_path, shard_factory):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{d} =", "answer": str(d)}) + "\n" for d in range(4)))

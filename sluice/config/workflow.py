@@ -272,6 +272,11 @@ class DropZeroVariance(Section):
     stage: Literal["drop_zero_variance"] = "drop_zero_variance"
     min_spread: float = Field(default=1e-9, ge=0)
     """A group is kept when max(reward) - min(reward) exceeds this."""
+    keep_after: int | None = Field(default=256, ge=1)
+    """After this many groups in a row dropped by one service, the next is kept anyway: once a
+    task is solved (or gives no signal) every group scores the same, and dropping them all would
+    starve the learner for good. A kept group's advantages are zero (the step learns nothing from
+    it) and the service logs it. null: drop every one."""
 
 
 class UserGroupFilter(Section):
