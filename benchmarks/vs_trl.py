@@ -56,6 +56,12 @@ x N (rollout.group_size / learner.batch_size; num_generations / per_device_train
 and the bound measured on that batch. A larger group makes the copy task's plateau rarer
 (architecture.md, the same section), so the comparison depends less on which seed is lucky.
 
+DAPO's dynamic sampling (`--sluice-override 'workflow.rollout=[{stage: drop_zero_variance}]'`)
+drops the plateau's zero-advantage groups at Sluice's rollouts; TRL 1.16 has no such option, so
+that run is not a matched comparison (architecture.md, "DAPO's dynamic sampling ends the plateau
+lottery"). The JSON's `workload.sluice_overrides` records it; the stop rule then reads a batch
+that lacks the uniform groups, which crossed 0.9 after the generated samples did in every run.
+
 Mapping of every setting (Sluice: `sluice run` overrides on top of `--sluice-config`,
 default configs/quickstart.yaml; TRL 1.16.0: GRPOConfig / trainer arguments):
 
