@@ -33,7 +33,7 @@ from sluice.rollout_svc.engines.base import Engine, SamplingParams
 from sluice.rollout_svc.engines.registry import build_engine
 from sluice.rollout_svc.episodes import GroupRequest, Sample, multi_turn, single_turn
 from sluice.rollout_svc.evaluation import Evaluator
-from sluice.rollout_svc.filters import build_filters
+from sluice.rollout_svc.filters import ZeroVarianceFilter, build_filters
 from sluice.rollout_svc.scoring import ScoredBatch, Scorer
 from sluice.rollout_svc.tasks.base import MultiTurnTask, Prompt, Task
 from sluice.rollout_svc.tasks.registry import build_task
@@ -52,6 +52,7 @@ class BatchStats:
     generate_s: float
     score_s: float  # building trajectories (single-turn scoring happens inside generate_s)
     dropped_groups: int  # zero-variance groups dropped (DAPO filter)
+    uniform_kept: int  # zero-variance groups kept anyway, after keep_after dropped in a row
     skipped_groups: int  # groups a reward call failed in (task.scoring.on_error=skip_group)
     reward_errors: int  # reward calls that raised (skip_group / zero)
     reward_timeouts: int  # reward calls past task.scoring.timeout_s
@@ -100,6 +101,11 @@ class LLMProducer(OnePolicy):
         self._c_dropped = Counter(
             "sluice_rollout_dropped_groups", "Zero-variance groups dropped (DAPO filter)", registry=reg
         )
+        self._c_uniform_kept = Counter(
+            "sluice_rollout_uniform_groups_kept",
+            "Zero-variance groups kept after keep_after in a row were dropped (a solved task)",
+            registry=reg,
+        )
         self._c_overlong = Counter(
             "sluice_rollout_overlong_prompts", "Prompts skipped: longer than the context", registry=reg
         )
@@ -127,10 +133,12 @@ class LLMProducer(OnePolicy):
         groups, scored = self._rollout(request)
         t1 = time.perf_counter()
         live = [(p, ids, g) for p, ids, g in zip(prompts, prompt_ids, groups) if g]  # not skipped
+        passed = self.uniform_kept()
         kept = [(p, ids, g) for p, ids, g in live if self.keep_group(g)]
         trajs = [t for p, ids, g in kept for t in self.build_group(p, ids, g)]
+        filtered = (len(live) - len(kept), self.uniform_kept() - passed)
         stats = batch_stats(
-            groups, trajs, len(live) - len(kept), scored, generate_s=t1 - t0, score_s=time.perf_counter() - t1
+            groups, trajs, filtered, scored, generate_s=t1 - t0, score_s=time.perf_counter() - t1
         )
         return self._report(trajs, stats, scored)
 
@@ -149,6 +157,7 @@ class LLMProducer(OnePolicy):
             self._g_reward.set(s.reward_mean)
         self._c_gen_s.inc(s.generate_s)
         self._c_dropped.inc(s.dropped_groups)
+        self._c_uniform_kept.inc(s.uniform_kept)
         self._c_discarded.inc(s.discarded_tokens)
         self._c_reward_failures.labels("error").inc(s.reward_errors)
         self._c_reward_failures.labels("timeout").inc(s.reward_timeouts)
@@ -158,6 +167,7 @@ class LLMProducer(OnePolicy):
         totals = {
             "generate_s": s.generate_s,
             "dropped_groups": float(s.dropped_groups),
+            "uniform_kept": float(s.uniform_kept),
             "skipped_groups": float(s.skipped_groups),
             "reward_failures": float(s.reward_errors + s.reward_timeouts),
         }
@@ -178,6 +188,10 @@ class LLMProducer(OnePolicy):
             prompts.append(p)
             ids.append(tokens)
         return prompts, ids
+
+    def uniform_kept(self) -> int:
+        """Zero-variance groups the DAPO filter has kept so far (a solved task, filters.py)."""
+        return sum(f.passed for f in self.filters if isinstance(f, ZeroVarianceFilter))
 
     def keep_group(self, group: list[Sample]) -> bool:
         """Whether every group filter of the workflow keeps the group (DAPO's and users')."""
@@ -279,18 +293,21 @@ def sample_trajectory(
 def batch_stats(
     groups: list[list[Sample]],
     trajs: list[Trajectory],
-    dropped: int,
+    filtered: tuple[int, int],
     scored: ScoredBatch,
     generate_s: float,
     score_s: float,
 ) -> BatchStats:
+    """A batch's figures; `filtered`: the groups the filters dropped, and the zero-variance
+    groups DAPO's filter kept anyway (its `keep_after`)."""
     samples = [s for g in groups for s in g]
     return BatchStats(
         tokens=sum(len(t.arrays["completion_ids"]) for t in trajs),
         reward_mean=float(np.mean([s.reward for s in samples])) if samples else float("nan"),
         generate_s=generate_s,
         score_s=score_s,
-        dropped_groups=dropped,
+        dropped_groups=filtered[0],
+        uniform_kept=filtered[1],
         skipped_groups=scored.skipped_groups,
         reward_errors=scored.errors,
         reward_timeouts=scored.timeouts,

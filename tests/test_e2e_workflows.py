@@ -34,7 +34,7 @@ def test_an_llm_workflow_runs_end_to_end(tmp_path, name):
         assert (run_dir / "checkpoints" / "latest" / "critic.pt").is_file()
     if name == "dapo":
         rollouts = [r for f in (run_dir / "metrics").glob("rollout-*.jsonl") for r in read_jsonl(f)]
-        assert rollouts and all("dropped_groups" in r for r in rollouts)
+        assert rollouts and all("dropped_groups" in r and "uniform_kept" in r for r in rollouts)
 
 
 @pytest.mark.parametrize("name", ENV_WORKFLOWS)

@@ -195,6 +195,7 @@ def test_a_task_every_group_scores_the_same_on_does_not_starve_the_learner(tmp_p
     dropped = st.service.totals.get("dropped_groups", 0)
     kept = st.service.delivered // 2
     assert dropped >= 3 * kept  # three dropped before each one kept
+    assert st.service.totals.get("uniform_kept", 0) == kept  # counted (metric and JSONL)
     assert st.drain.control.admission.started == st.service.delivered  # the dropped groups' quota came back
     assert all(t.reward == 1.0 for t in st.buffered(cfg))
 
