@@ -60,8 +60,17 @@ def test_secure_run_serves_metrics_and_status_and_writes_plots(tmp_path, process
     resolved = (run_dir / "config.yaml").read_text()
     assert "curve: true" in resolved  # the environment reached the resolved config
 
-    # every role's Prometheus endpoint answers with its named metrics, with live values
-    endpoints = {p.stem: json.loads(p.read_text()) for p in (run_dir / "endpoints").glob("*.json")}
+    # every role's Prometheus endpoint answers with its named metrics, with live values. A service
+    # records its endpoint once its engine is built: a slow starter may not have by step 5
+    endpoints_dir = run_dir / "endpoints"
+    wait_until(
+        lambda: {p.stem for p in endpoints_dir.glob("*.json")} >= set(NAMED_METRICS),
+        120,
+        lambda: f"every role's endpoint file (have {sorted(p.stem for p in endpoints_dir.glob('*.json'))})",
+        interval_s=0.5,
+        check=lambda: None if proc.poll() is None else pytest.fail(f"run exited {proc.returncode}"),
+    )
+    endpoints = {p.stem: json.loads(p.read_text()) for p in endpoints_dir.glob("*.json")}
     assert set(endpoints) == set(NAMED_METRICS)
     for role, names in NAMED_METRICS.items():
         if role.startswith("rollout-"):
