@@ -44,6 +44,7 @@ def test_join_epoch_leave_and_reports(control):
     assert {k: v.state for k, v in status.members.items()} == {"rollout-0": "member", "rollout-2": "pending"}
     client.sync_report("rollout-0", "inc-a", epoch=1, version=4, outcome="refused", error="checksum")
     client.sync_report("rollout-0", "inc-a", epoch=1, version=5, outcome="ok")
+    client.sync_report("rollout-0", "", epoch=1, version=9, outcome="ok")  # names no incarnation: ignored
     problems = membership.take_problems()
     assert [(p.service_id, p.outcome, p.version) for p in problems] == [("rollout-0", "refused", 4)]
     member = client.status().weight_sync.members["rollout-0"]

@@ -209,17 +209,22 @@ class Membership:
         """Remove `service_id` if it is still the member named by `incarnation` or `pid` (not a
         later JOIN of the same service); count it under `counter`. The caller holds the lock."""
         assert incarnation or pid > 0, "a removal names the member it means"
-        if self._named(service_id, incarnation=incarnation, pid=pid) is None:
+        if self._named(service_id, incarnation=incarnation or None, pid=pid) is None:
             return False
         del self._members[service_id]
         self.counters[counter] += 1
         return True
 
-    def _named(self, service_id: str, *, incarnation: str = "", pid: int = 0) -> Member | None:
+    def _named(self, service_id: str, *, incarnation: str | None = None, pid: int = 0) -> Member | None:
         """Member `service_id` if it is still the one `incarnation` and `pid` name (each only
-        where given), not a later JOIN of the same service. The caller holds the lock."""
+        where given: None, 0), not a later JOIN of the same service; an empty incarnation names
+        none (a member always has one). The caller holds the lock."""
         m = self._members.get(service_id)
-        if m is None or (incarnation and m.incarnation != incarnation) or (pid > 0 and m.pid != pid):
+        if (
+            m is None
+            or (incarnation is not None and m.incarnation != incarnation)
+            or (pid > 0 and m.pid != pid)
+        ):
             return None
         return m
 
