@@ -136,9 +136,14 @@ class LLMProducer(OnePolicy):
         passed = self.uniform_kept()
         kept = [(p, ids, g) for p, ids, g in live if self.keep_group(g)]
         trajs = [t for p, ids, g in kept for t in self.build_group(p, ids, g)]
-        filtered = (len(live) - len(kept), self.uniform_kept() - passed)
         stats = batch_stats(
-            groups, trajs, filtered, scored, generate_s=t1 - t0, score_s=time.perf_counter() - t1
+            groups,
+            trajs,
+            scored,
+            dropped=len(live) - len(kept),
+            uniform_kept=self.uniform_kept() - passed,
+            generate_s=t1 - t0,
+            score_s=time.perf_counter() - t1,
         )
         return self._report(trajs, stats, scored)
 
@@ -293,21 +298,23 @@ def sample_trajectory(
 def batch_stats(
     groups: list[list[Sample]],
     trajs: list[Trajectory],
-    filtered: tuple[int, int],
     scored: ScoredBatch,
+    *,
+    dropped: int,
+    uniform_kept: int,
     generate_s: float,
     score_s: float,
 ) -> BatchStats:
-    """A batch's figures; `filtered`: the groups the filters dropped, and the zero-variance
-    groups DAPO's filter kept anyway (its `keep_after`)."""
+    """A batch's figures; `dropped`: the groups the filters dropped, `uniform_kept`: the
+    zero-variance groups DAPO's filter kept anyway (its `keep_after`)."""
     samples = [s for g in groups for s in g]
     return BatchStats(
         tokens=sum(len(t.arrays["completion_ids"]) for t in trajs),
         reward_mean=float(np.mean([s.reward for s in samples])) if samples else float("nan"),
         generate_s=generate_s,
         score_s=score_s,
-        dropped_groups=filtered[0],
-        uniform_kept=filtered[1],
+        dropped_groups=dropped,
+        uniform_kept=uniform_kept,
         skipped_groups=scored.skipped_groups,
         reward_errors=scored.errors,
         reward_timeouts=scored.timeouts,
