@@ -1,7 +1,8 @@
 """User code without editing Sluice, end to end through real `sluice run` processes: an installed
 plugin package found by entry points (examples/sluice-plugin-example: a task, two rewards one
-of them async, a custom loss), the same task and rewards by file reference under the local and
-the Ray launcher, and a reward that raises failing the run with its traceback, not restarted."""
+of them async, a custom loss), the same task and rewards by file reference (under the Ray
+launcher: tests/test_ray_launcher.py's every-role run), and a reward that raises failing the
+run with its traceback, not restarted."""
 
 from __future__ import annotations
 
@@ -11,21 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.plugin_example import EXAMPLE, REWARDS_BY_NAME, TASK_BY_FILE, rewards_by_file
 from helpers.runs import ROOT, sluice_run
 
 from sluice.metrics import read_jsonl
 
 pytestmark = pytest.mark.slow
-
-EXAMPLE = ROOT / "examples" / "sluice-plugin-example"
-SOURCE = EXAMPLE / "src" / "sluice_plugin_example"
-REWARDS_BY_NAME = "task.rewards=[{fn: first_digit_right, weight: 0.7}, {fn: stops_after_one, weight: 0.3}]"
-
-
-def rewards_by_file() -> str:
-    f = SOURCE / "rewards.py"
-    first, stops = f"'{f}:first_digit_right'", f"'{f}:stops_after_one'"
-    return f"task.rewards=[{{fn: {first}, weight: 0.7}}, {{fn: {stops}, weight: 0.3}}]"
 
 
 def install_example(target: Path) -> dict[str, str]:
@@ -53,10 +45,33 @@ def install_example(target: Path) -> dict[str, str]:
 
 
 def learned(run_dir: Path, gain: float) -> list[float]:
-    rewards = [r["reward_mean"] for r in read_jsonl(run_dir / "metrics" / "learner.jsonl")]
+    """The learner's batch reward rose by `gain` from its first 10 steps to its last 10. Over 9
+    runs of the installed-plugin test here (seeds 0-6, one service, max_staleness 0, under
+    load), 100 steps gained 0.25-0.31; should one fall short, the message says what the run did."""
+    steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
+    rewards = [r["reward_mean"] for r in steps]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last > first + gain, (first, last)
+    assert last > first + gain, (first, last, run_account(run_dir, steps))
     return rewards
+
+
+def run_account(run_dir: Path, steps: list[dict]) -> dict:
+    """What a run did that bears on how it learned: restarts, versions, staleness, and each
+    service's reward by tenths of its batches."""
+    events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
+    services = {}
+    for f in sorted((run_dir / "metrics").glob("rollout-*.jsonl")):
+        r = [x["reward_mean"] for x in read_jsonl(f) if "reward_mean" in x]
+        tenth = max(1, len(r) // 10)
+        services[f.stem] = [
+            round(sum(r[i : i + tenth]) / len(r[i : i + tenth]), 3) for i in range(0, len(r), tenth)
+        ]
+    return {
+        "versions": [s["version"] for s in steps],
+        "events": [(e["event"], e.get("role")) for e in events if e["event"] != "learner_step"],
+        "staleness_mean": round(sum(s["staleness_mean"] for s in steps) / max(1, len(steps)), 2),
+        "rollout_rewards": services,
+    }
 
 
 def rollout_record(run_dir: Path) -> dict:
@@ -92,29 +107,13 @@ def test_a_task_and_rewards_from_files_outside_the_package_train(tmp_path):
     run_dir = tmp_path / "run"
     proc = sluice_run(
         run_dir,
-        f"task.name={SOURCE / 'task.py'}:FirstDigitTask",
+        TASK_BY_FILE,
         rewards_by_file(),
         "learner.total_steps=30",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 30  # (learning: the installed test)
     assert "mean/reward_first_digit_right" in rollout_record(run_dir)
-
-
-def test_the_ray_launcher_resolves_file_references_the_same_way(tmp_path):
-    pytest.importorskip("ray")
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable, "-m", "sluice.cli", "ray", str(ROOT / "configs" / "quickstart.yaml"),
-            f"run.dir={run_dir}", "ray.local_num_cpus=4", "rollout.engine=hf", "--no-progress",
-            f"task.name={SOURCE / 'task.py'}:FirstDigitTask", rewards_by_file(), "learner.total_steps=40",
-        ],
-        capture_output=True, text=True, timeout=400, cwd=ROOT, env={**os.environ, "RAY_DEDUP_LOGS": "0"},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert len(read_jsonl(run_dir / "metrics" / "learner.jsonl")) == 40
-    assert "mean/reward_stops_after_one" in rollout_record(run_dir)
 
 
 def test_a_reward_that_raises_fails_the_run_with_its_traceback_and_no_restart(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from helpers.plugin_example import TASK_BY_FILE, rewards_by_file
 from helpers.runs import HF_ENGINE
 from helpers.wait import running, wait_until
 
@@ -66,8 +67,10 @@ def alive(pids: set[int]) -> set[int]:
 
 
 def test_ray_run_trains_with_every_role_a_separate_ray_process(tmp_path, process_reaper):
+    """Also a user's task and rewards given by file (examples/sluice-plugin-example's, outside
+    any package): the Ray actors resolve them as `sluice run`'s processes do."""
     run_dir, log = tmp_path / "run", tmp_path / "driver.log"
-    proc = start_ray_run(run_dir, log, "learner.total_steps=8")
+    proc = start_ray_run(run_dir, log, "learner.total_steps=8", TASK_BY_FILE, rewards_by_file())
     process_reaper.append(proc)
     seen: set[int] = set()
     deadline = time.monotonic() + 400
@@ -104,6 +107,7 @@ def test_ray_run_trains_with_every_role_a_separate_ray_process(tmp_path, process
         assert f"{ROLE_ENDED} {role} (" in output, output
     assert all((run_dir / "logs" / f"{role}.log").stat().st_size > 0 for role in ROLES)
     assert (run_dir / "plots" / "reward.png").is_file()
+    assert "mean/reward_stops_after_one" in read_jsonl(run_dir / "metrics" / "rollout-0.jsonl")[-1]
     # Ray (its processes are the driver's descendants, the role actors among them) is gone
     assert pids <= seen
     assert not alive(seen)

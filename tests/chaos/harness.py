@@ -1,9 +1,11 @@
-"""The chaos suite's harness: a whole run with one fault, and the account of what it did.
+"""The chaos suite's harness: a whole run with a fault (or several, one after another), and the
+account of what it did.
 
 A run is the quickstart with two shards, two rollout services, checkpoints every 10 steps, the
 audit trail (`learner.audit_consumed`) and the experience archive (`buffer.archive`, with small
 segments so compaction archives during the run). At step `at_step` one role is killed
-(`kill -9`) or paused (`SIGSTOP` for `pause_s`, then `SIGCONT`). Afterwards the run is accounted
+(`kill -9`) or paused (`SIGSTOP` for `pause_s`, then `SIGCONT`); a later fault of the same run
+strikes at its own step, once the earlier one's victim is back. Afterwards the run is accounted
 for by id (`account`): it finished by itself, no trajectory was trained twice along the
 surviving lineage, every trajectory a shard acknowledged (exported with its fate) was trained,
 skipped or dropped by the learner, dropped as stale by a shard, or is still held; the version
@@ -67,7 +69,7 @@ FAULTS = [
 @dataclass
 class Report:
     launcher: str
-    fault: str
+    faults: list[Fault]
     exit_code: int | None
     wall_s: float
     finished: bool = False  # exit 0 and versions 1..steps, each once
@@ -80,7 +82,7 @@ class Report:
     fates: dict[str, int] = field(default_factory=dict)
     staleness_max: int = 0
     violations: int = 0
-    drops_before: float = 0.0  # stale drops per step before the fault
+    drops_before: float = 0.0  # stale drops per step before the first fault
     drops_after: float = 0.0  # ... over the second half of what followed it
     orphans: list[int] = field(default_factory=list)
     busy_ports: list[int] = field(default_factory=list)
@@ -105,12 +107,15 @@ class Report:
         bad += [f"orphans {self.orphans}"] if self.orphans else []
         bad += [f"ports still bound {self.busy_ports}"] if self.busy_ports else []
         bad += ["its ports were not held across the restart"] if self.ports_kept is False else []
-        if self.fault.startswith("SIGSTOP") and self.restarted:
+        if all(f.kind == "stop" for f in self.faults) and self.restarted:
             bad.append(f"a pause cost restarts of {self.restarted}")
-        role = self.fault.rsplit(" ", 1)[1]
-        if self.fault.startswith("kill") and role not in self.restarted:
-            bad.append(f"{role} was not restarted")
+        killed = [f.role for f in self.faults if f.kind == "kill"]
+        bad += [f"{role} was not restarted" for role in killed if role not in self.restarted]
         return bad
+
+    @property
+    def fault(self) -> str:
+        return ", ".join(f.name for f in self.faults)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "failures": self.failures()}
@@ -162,31 +167,65 @@ def run_with_fault(
     timeout_s: float = 900,
 ) -> Report:
     """One run of `steps` under `launcher` (run | ray) with `fault` at `at_step`, accounted for."""
+    return run_with_faults(launcher, [(at_step, fault)], work, steps, pause_s, timeout_s)
+
+
+def run_with_faults(
+    launcher: str,
+    faults: list[tuple[int, Fault]],
+    work: Path,
+    steps: int = STEPS,
+    pause_s: float = 20.0,
+    timeout_s: float = 900,
+) -> Report:
+    """One run of `steps` with each `(at_step, fault)` in turn, accounted for: a fault waits for
+    its step and for every role an earlier fault killed to be back (restarted)."""
     run_dir, log = work / "run", work / "launcher.log"
     t0 = time.monotonic()
     proc = start(launcher, run_dir, log, steps)
     seen: set[int] = set()
+    killed: set[str] = set()
+    held_at_kill: dict[str, bool] = {}  # Ray: was the role's PortKeeper alive just after the kill
     try:
-        wait_for(lambda: steps_logged(run_dir) >= at_step, proc, 300, f"{at_step} learner steps")
-        seen |= set(role_pids(run_dir).values())
-        keepers = port_keepers(run_dir, "placed")
-        seen |= set(keepers.values())
-        inject(fault, role_pids(run_dir)[fault.role], pause_s)
-        held_at_kill = fault.role in keepers and alive(keepers[fault.role])
+        for at_step, fault in faults:
+            pids, held = strike(proc, run_dir, at_step, fault, frozenset(killed), pause_s)
+            seen |= pids
+            killed |= {fault.role} if fault.kind == "kill" else set()
+            if held is not None:
+                held_at_kill[fault.role] = held
         code = proc.wait(timeout=timeout_s)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     seen |= set(role_pids(run_dir).values())
-    report = Report(launcher, fault.name, code, time.monotonic() - t0)
-    if fault.kind == "kill" and fault.role in keepers:
-        kept = port_keepers(run_dir, "restarted").get(fault.role) == keepers[fault.role]
-        report.ports_kept = held_at_kill and kept
-    account(report, run_dir, work / "experience.parquet", at_step, steps)
+    report = Report(launcher, [f for _, f in faults], code, time.monotonic() - t0)
+    if held_at_kill:
+        placed, back = port_keepers(run_dir, "placed"), port_keepers(run_dir, "restarted")
+        report.ports_kept = all(held and back.get(r) == placed[r] for r, held in held_at_kill.items())
+    account(report, run_dir, work / "experience.parquet", [at for at, _ in faults], steps)
     report.orphans = sorted(p for p in seen if alive(p))
     report.busy_ports = [p for p in run_ports(run_dir) if not port_is_free(p)]
     return report
+
+
+def strike(
+    proc: subprocess.Popen, run_dir: Path, at_step: int, fault: Fault, back: frozenset[str], pause_s: float
+) -> tuple[set[int], bool | None]:
+    """`fault` once the learner logged `at_step` steps and the roles in `back` were restarted.
+    Returns the run's pids just before it, and under Ray for a kill whether the victim's
+    PortKeeper was still alive just after it (None: no keeper)."""
+    wait_for(lambda: steps_logged(run_dir) >= at_step, proc, 300, f"{at_step} learner steps")
+    wait_for(lambda: back <= restarted_roles(run_dir), proc, 300, f"restarts of {sorted(back)}")
+    keepers = port_keepers(run_dir, "placed")
+    pids = set(role_pids(run_dir).values()) | set(keepers.values())
+    inject(fault, role_pids(run_dir)[fault.role], pause_s)
+    return pids, (alive(keepers[fault.role]) if fault.kind == "kill" and fault.role in keepers else None)
+
+
+def restarted_roles(run_dir: Path) -> set[str]:
+    events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
+    return {e["role"] for e in events if e.get("event") == "restarted"}
 
 
 def port_keepers(run_dir: Path, event: str) -> dict[str, int]:
@@ -207,7 +246,7 @@ def lineage(records: list[dict]) -> list[dict]:
     return out
 
 
-def account(report: Report, run_dir: Path, parquet: Path, at_step: int, steps: int) -> None:
+def account(report: Report, run_dir: Path, parquet: Path, at_steps: list[int], steps: int) -> None:
     logged = read_jsonl(run_dir / "metrics" / "learner.jsonl")
     versions = [s["version"] for s in logged]
     report.finished = report.exit_code == 0 and versions == list(range(1, steps + 1))
@@ -233,22 +272,23 @@ def account(report: Report, run_dir: Path, parquet: Path, at_step: int, steps: i
     report.staleness_max = max(s["staleness_max"] for s in logged) if logged else -1
     report.violations = logged[-1]["total_violations"] if logged else -1
     drops = [s.get("dropped_stale", 0) for s in logged]
-    report.drops_before = statistics.fmean(drops[5:at_step]) if len(drops) > at_step else float("nan")
-    settled = at_step + (steps - at_step) // 2  # the second half of what followed the fault
+    first, last = at_steps[0], at_steps[-1]
+    report.drops_before = statistics.fmean(drops[5:first]) if len(drops) > first else float("nan")
+    settled = last + (steps - last) // 2  # the second half of what followed the last fault
     report.drops_after = statistics.fmean(drops[settled:]) if len(drops) > settled else float("nan")
 
 
 def table(reports: list[Report]) -> str:
     """The summary, one row per run."""
     head = (
-        f"{'launcher':8} {'fault':22} {'ok':4} {'exit':>4} {'wall s':>6} {'restarted':24} {'trained':>7} "
+        f"{'launcher':8} {'fault':33} {'ok':4} {'exit':>4} {'wall s':>6} {'restarted':24} {'trained':>7} "
         f"{'dup':>3} {'stored':>6} {'lost':>4} {'stale before/after':>18} {'stal.':>5} {'orph.':>5} "
         f"{'ports':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in reports:
         lines.append(
-            f"{r.launcher:8} {r.fault:22} {'yes' if not r.failures() else 'NO':4} {r.exit_code!s:>4} "
+            f"{r.launcher:8} {r.fault:33} {'yes' if not r.failures() else 'NO':4} {r.exit_code!s:>4} "
             f"{r.wall_s:6.0f} {','.join(r.restarted) or '-':24} {r.trained:7d} {r.duplicates:3d} "
             f"{r.stored:6d} {r.lost:4d} {r.drops_before:8.1f} / {r.drops_after:7.1f} {r.staleness_max:5d} "
             f"{len(r.orphans):5d} {({None: '-', True: 'kept', False: 'LOST'})[r.ports_kept]:>5}"
