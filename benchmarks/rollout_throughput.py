@@ -25,23 +25,19 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
-from common import write_config
 from rich.console import Console
 from rich.table import Table
+from sim_cluster import Cluster, sim_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sluice.metrics import read_jsonl  # noqa: E402
-from sluice.net import free_port  # noqa: E402
 
 console = Console()
 
@@ -143,85 +139,6 @@ def vllm_logprob_error(engine, model_dir: Path, prompts: list[list[int]], group:
 # -- sim scaling -----------------------------------------------------------------------------------
 
 
-class Cluster:
-    """Buffer shard + stand-in learner + sim services as processes; every one is killed at exit."""
-
-    def __init__(self, work: Path, sim: dict, rollout: dict) -> None:
-        self.work = work
-        self.procs: list[subprocess.Popen] = []
-        self.services: list[subprocess.Popen] = []
-        tree = {
-            "run": {"dir": str(work / "run")},
-            "model": {"init": {"vocab": "digits", "max_position_embeddings": 64}},
-            "task": {"name": "copy", "params": {"length": 3}},
-            "buffer": {"endpoints": [f"tcp://127.0.0.1:{free_port()}"], "capacity": 200000},
-            "control": {"port": free_port(), "heartbeat_s": 2.0},
-            "rollout": {"engine": "sim", "services": 64, "sim": sim, **rollout},
-            # admission on; the bound is loose so that the learner side never throttles
-            "learner": {"batch_size": 8, "max_staleness": 1000},
-        }
-        self.cfg, self.config_path = write_config(work, tree)
-        self.timeline = work / "drain.jsonl"
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-    def _spawn(self, args: list[str], name: str) -> subprocess.Popen:
-        log = (self.work / f"{name}.log").open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def start_core(self) -> None:
-        self._spawn(["-m", "sluice.cli", "buffer", str(self.config_path), "--shard", "0"], "buffer")
-        self._spawn(
-            ["-m", "sluice.testing.drain", str(self.config_path), "--out", str(self.timeline)], "drain"
-        )
-
-    def grow_to(self, n: int) -> None:
-        while len(self.services) < n:
-            i = len(self.services)
-            self.services.append(
-                self._spawn(
-                    ["-m", "sluice.cli", "rollout", str(self.config_path), "--index", str(i)], f"rollout-{i}"
-                )
-            )
-
-    def check_alive(self) -> None:
-        for p in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{p.args[2:4]} exited with {p.returncode}; see logs in {self.work}")
-
-    def timeline_records(self) -> list[dict]:
-        return read_jsonl(self.timeline)
-
-    def services_rss_mb(self) -> float:
-        total = 0
-        for p in self.services:
-            try:
-                total += psutil.Process(p.pid).memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
-        return total / 2**20
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
-
-
 def rate_in_window(records: list[dict], t0: float, t1: float) -> tuple[float, int]:
     """Samples/s between the first and last consumption step inside [t0, t1]."""
     inside = [r for r in records if t0 <= r["time"] <= t1]
@@ -235,7 +152,7 @@ def rate_in_window(records: list[dict], t0: float, t1: float) -> tuple[float, in
 def bench_sim(
     counts: list[int], window_s: float, warmup_s: float, work: Path, sim: dict, rollout: dict
 ) -> dict:
-    cluster = Cluster(work, sim, rollout)
+    cluster = Cluster(work, sim_tree(sim, rollout))
     rows = []
     cpu0 = psutil.cpu_times()
     try:

@@ -1194,6 +1194,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.bound_repeats < 1:
+        p.error(
+            f"--bound-repeats must be at least 1 (the bound is a median of repeats), got {args.bound_repeats}"
+        )
     if args.group < 2:
         p.error(f"--group must be at least 2 (group advantages need two completions), got {args.group}")
     if args.quick:

@@ -5,6 +5,7 @@ quota back."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,6 +45,39 @@ class ZeroVarianceFilter:
                 self.service_id or "rollout", self.keep_after, rewards[0], self.keep_after + 1,
             )  # fmt: skip
         return True
+
+
+class Oversampler:
+    """How many prompts a service generates for a grant of `n` groups while filters drop some:
+    `n` over the share it has kept lately (a moving average over batches), plus one, at most
+    `most` times `n`. Without it a call that came up short left the rest of the grant to a
+    second call of a few groups, a whole decode loop of its own (docs/architecture.md, "Groups,
+    filters, lengths")."""
+
+    def __init__(self, most: float, weight: float = 0.25) -> None:
+        self.most, self.weight = most, weight
+        self.keep_rate = 1.0
+        self.seen = False  # the first batch's share replaces the prior (1.0) outright
+
+    def prompts(self, n: int) -> int:
+        if self.most <= 1.0 or self.keep_rate >= 1.0:
+            return n
+        most = math.floor(n * self.most)
+        if self.keep_rate * most <= n:  # (nothing kept lately: a keep rate of 0 asks the most)
+            return most
+        return min(round(n / self.keep_rate) + 1, most)
+
+    def observe(self, live: int, kept: int) -> None:
+        """A batch's groups: `live` scored, `kept` of them passed every filter."""
+        if live:
+            weight = self.weight if self.seen else 1.0
+            self.keep_rate += weight * (kept / live - self.keep_rate)
+            self.seen = True
+
+
+def oversampler(stages: Sequence[Any]) -> Oversampler:
+    """The workflow's limit: DAPO's filter's `oversample` (1, none, without that filter)."""
+    return Oversampler(max([st.oversample for st in stages if isinstance(st, DropZeroVariance)], default=1.0))
 
 
 def user_filter(fn: Any, params: Any, key: str) -> GroupFilter:

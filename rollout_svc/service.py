@@ -33,7 +33,7 @@ from sluice.rollout_svc.engines.base import Engine, SamplingParams
 from sluice.rollout_svc.engines.registry import build_engine
 from sluice.rollout_svc.episodes import GroupRequest, Sample, multi_turn, single_turn
 from sluice.rollout_svc.evaluation import Evaluator
-from sluice.rollout_svc.filters import ZeroVarianceFilter, build_filters
+from sluice.rollout_svc.filters import ZeroVarianceFilter, build_filters, oversampler
 from sluice.rollout_svc.scoring import ScoredBatch, Scorer
 from sluice.rollout_svc.tasks.base import MultiTurnTask, Prompt, Task
 from sluice.rollout_svc.tasks.registry import build_task
@@ -53,6 +53,7 @@ class BatchStats:
     score_s: float  # building trajectories (single-turn scoring happens inside generate_s)
     dropped_groups: int  # zero-variance groups dropped (DAPO filter)
     uniform_kept: int  # zero-variance groups kept anyway, after keep_after dropped in a row
+    surplus_groups: int  # kept groups beyond the grant (oversampling for the filters), discarded
     skipped_groups: int  # groups a reward call failed in (task.scoring.on_error=skip_group)
     reward_errors: int  # reward calls that raised (skip_group / zero)
     reward_timeouts: int  # reward calls past task.scoring.timeout_s
@@ -76,7 +77,9 @@ class LLMProducer(OnePolicy):
         self.acting = self.engine
         self.task: Task = build_task(cfg.task, seed=cfg.run.seed * 7919 + index)
         self.scorer = Scorer(self.task, cfg.task)
-        self.filters = build_filters(effective_workflow(cfg).rollout, self.service_id)
+        stages = effective_workflow(cfg).rollout
+        self.filters = build_filters(stages, self.service_id)
+        self.oversampler = oversampler(stages)
         self.tokenizer = self.engine.tokenizer
         if cfg.model.chat_template is not None:
             self.tokenizer.chat_template = cfg.model.chat_template  # type: ignore[attr-defined]
@@ -106,6 +109,11 @@ class LLMProducer(OnePolicy):
             "Zero-variance groups kept after keep_after in a row were dropped (a solved task)",
             registry=reg,
         )
+        self._c_surplus = Counter(
+            "sluice_rollout_surplus_groups",
+            "Kept groups beyond the grant, discarded (oversampling for the group filters)",
+            registry=reg,
+        )
         self._c_overlong = Counter(
             "sluice_rollout_overlong_prompts", "Prompts skipped: longer than the context", registry=reg
         )
@@ -123,7 +131,8 @@ class LLMProducer(OnePolicy):
         rc = self.cfg.rollout
         if self.evaluator is not None and self.evaluator.due(self.engine.version):
             self.evaluator.run(self.engine.version, lambda req: self._rollout(req)[0])
-        prompts, prompt_ids = self.sample_prompts(granted[self.policy_id] // rc.group_size)
+        wanted = granted[self.policy_id] // rc.group_size
+        prompts, prompt_ids = self.sample_prompts(self.oversampler.prompts(wanted))
         if not prompts:
             return None
         t0 = time.perf_counter()
@@ -135,13 +144,15 @@ class LLMProducer(OnePolicy):
         live = [(p, ids, g) for p, ids, g in zip(prompts, prompt_ids, groups) if g]  # not skipped
         passed = self.uniform_kept()
         kept = [(p, ids, g) for p, ids, g in live if self.keep_group(g)]
-        trajs = [t for p, ids, g in kept for t in self.build_group(p, ids, g)]
+        self.oversampler.observe(len(live), len(kept))
+        trajs = [t for p, ids, g in kept[:wanted] for t in self.build_group(p, ids, g)]
         stats = batch_stats(
             groups,
             trajs,
             scored,
             dropped=len(live) - len(kept),
             uniform_kept=self.uniform_kept() - passed,
+            surplus=max(0, len(kept) - wanted),
             generate_s=t1 - t0,
             score_s=time.perf_counter() - t1,
         )
@@ -163,6 +174,7 @@ class LLMProducer(OnePolicy):
         self._c_gen_s.inc(s.generate_s)
         self._c_dropped.inc(s.dropped_groups)
         self._c_uniform_kept.inc(s.uniform_kept)
+        self._c_surplus.inc(s.surplus_groups)
         self._c_discarded.inc(s.discarded_tokens)
         self._c_reward_failures.labels("error").inc(s.reward_errors)
         self._c_reward_failures.labels("timeout").inc(s.reward_timeouts)
@@ -173,6 +185,7 @@ class LLMProducer(OnePolicy):
             "generate_s": s.generate_s,
             "dropped_groups": float(s.dropped_groups),
             "uniform_kept": float(s.uniform_kept),
+            "surplus_groups": float(s.surplus_groups),
             "skipped_groups": float(s.skipped_groups),
             "reward_failures": float(s.reward_errors + s.reward_timeouts),
         }
@@ -302,11 +315,13 @@ def batch_stats(
     *,
     dropped: int,
     uniform_kept: int,
+    surplus: int,
     generate_s: float,
     score_s: float,
 ) -> BatchStats:
     """A batch's figures; `dropped`: the groups the filters dropped, `uniform_kept`: the
-    zero-variance groups DAPO's filter kept anyway (its `keep_after`)."""
+    zero-variance groups DAPO's filter kept anyway (its `keep_after`), `surplus`: the kept
+    groups beyond the grant (discarded)."""
     samples = [s for g in groups for s in g]
     return BatchStats(
         tokens=sum(len(t.arrays["completion_ids"]) for t in trajs),
@@ -315,6 +330,7 @@ def batch_stats(
         score_s=score_s,
         dropped_groups=dropped,
         uniform_kept=uniform_kept,
+        surplus_groups=surplus,
         skipped_groups=scored.skipped_groups,
         reward_errors=scored.errors,
         reward_timeouts=scored.timeouts,

@@ -11,7 +11,7 @@ import pytest
 from sluice.config.workflow import DropZeroVariance, UserGroupFilter
 from sluice.plugins import UserCodeError
 from sluice.rollout_svc.episodes import Sample
-from sluice.rollout_svc.filters import ZeroVarianceFilter, build_filters
+from sluice.rollout_svc.filters import Oversampler, ZeroVarianceFilter, build_filters, oversampler
 
 
 def group(*rewards: float) -> list[Sample]:
@@ -58,3 +58,29 @@ def test_a_user_filter_that_raises_names_its_stage(tmp_path):
     (user,) = build_filters([UserGroupFilter(stage=f"{tmp_path}/f.py:bad")])
     with pytest.raises(UserCodeError, match=r"workflow.rollout\[0\].stage: the filter raised KeyError"):
         user(group(0.0, 1.0))
+
+
+def test_the_oversampler_generates_the_grant_over_the_share_kept_within_its_limit():
+    over = Oversampler(most=2.0, weight=0.5)
+    assert over.prompts(8) == 8  # nothing dropped yet: the grant
+    over.observe(live=8, kept=6)  # the first batch's share outright: 0.75
+    assert over.keep_rate == pytest.approx(0.75) and over.prompts(8) == round(8 / 0.75) + 1 == 12
+    over.observe(live=8, kept=0)  # then half way: 0.375, and 8 / 0.375 + 1 = 22 is over twice 8
+    assert over.prompts(8) == 16 and over.prompts(1) == 2 and over.prompts(0) == 0
+    over.observe(live=0, kept=0)  # every group skipped (reward failures): no evidence either way
+    assert over.keep_rate == pytest.approx(0.375)
+    for _ in range(40):
+        over.observe(live=8, kept=8)
+    assert over.prompts(8) <= 9  # back near the grant once groups are kept again
+    assert Oversampler(most=1.0).prompts(8) == 8
+    none_kept = Oversampler(most=2.0)
+    none_kept.observe(live=2, kept=0)  # a solved task: every group dropped
+    assert none_kept.keep_rate == 0.0 and none_kept.prompts(2) == 4 and none_kept.prompts(0) == 0
+
+
+def test_oversampling_is_dapos_setting_and_off_without_its_filter():
+    assert oversampler([DropZeroVariance()]).most == 2.0 == DropZeroVariance().oversample
+    assert oversampler([DropZeroVariance(oversample=3.0)]).most == 3.0
+    assert oversampler([UserGroupFilter(stage="pkg.mod:fn")]).most == 1.0 and oversampler([]).most == 1.0
+    with pytest.raises(ValueError, match="oversample"):
+        DropZeroVariance(oversample=0.5)

@@ -167,37 +167,79 @@ def test_zero_variance_groups_are_dropped_and_their_quota_refunded(tmp_path, sha
     assert st.drain.control.admission.started == st.service.delivered  # dropped groups' quota came back
     got = st.buffered(cfg)
     assert len(got) == st.service.delivered
-    groups: dict[str, list[float]] = {}
-    for t in got:
-        groups.setdefault(t.group_id, []).append(t.reward)
-    assert all(max(r) > min(r) for r in groups.values())
+    assert all(max(t.reward for t in g) > min(t.reward for t in g) for g in by_group(got))
+
+
+def dapo_service(tmp_path, shard, reward: str, dapo: dict, prompts_per_batch: int):
+    """A sim service (in a thread) on a 4-row dataset (answers 0-3) whose reward is the Python
+    expression `reward` (of `reference`; `random` imported), under DAPO's filter with `dapo`
+    settings and groups of 2: (its config, the ServiceThread)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{d} =", "answer": str(d)}) + "\n" for d in range(4)))
+    (tmp_path / "rewards.py").write_text(
+        f"import random\ndef reward(prompt, completion, reference):\n    return {reward}\n"
+    )
+    fn = f"{tmp_path}/rewards.py:reward"
+    cfg, _ = sim_config(
+        tmp_path,
+        shard,
+        task={"name": "dataset", "params": {"path": str(data)}, "rewards": [{"fn": fn}]},
+        workflow={
+            "rollout": [{"stage": "drop_zero_variance", **dapo}],
+            "learner": [{"stage": "group_advantages"}, {"stage": "policy_loss"}],
+        },
+        rollout={"prompts_per_batch": prompts_per_batch, "group_size": 2, "sim": {
+            "decode_step_s": 0.0, "decode_s_per_seq": 0.0, "call_s": 0.0, "eos_prob": 0.2}},
+        learner={"batch_size": 64, "max_staleness": 3},
+    )  # fmt: skip
+    return cfg, ServiceThread(cfg)
 
 
 def test_a_task_every_group_scores_the_same_on_does_not_starve_the_learner(tmp_path, shard_factory):
     """Once a task is solved every group is zero-variance: DAPO's filter keeps one after
     `keep_after` dropped in a row (its quota refunded for the rest) instead of delivering nothing."""
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{d} =", "answer": str(d)}) + "\n" for d in range(4)))
-    (tmp_path / "rewards.py").write_text("def solved(prompt, completion, reference):\n    return 1.0\n")
-    dapo = [{"stage": "drop_zero_variance", "keep_after": 3}]
-    solved = f"{tmp_path}/rewards.py:solved"
-    cfg, _ = sim_config(
-        tmp_path,
-        shard_factory(),
-        task={"name": "dataset", "params": {"path": str(data)}, "rewards": [{"fn": solved}]},
-        workflow={"rollout": dapo, "learner": [{"stage": "group_advantages"}, {"stage": "policy_loss"}]},
-        rollout={"prompts_per_batch": 2, "group_size": 2, "sim": {
-            "decode_step_s": 0.0, "decode_s_per_seq": 0.0, "call_s": 0.0, "eos_prob": 0.2}},
-        learner={"batch_size": 64, "max_staleness": 3},
-    )  # fmt: skip
-    st = ServiceThread(cfg)
+    cfg, st = dapo_service(tmp_path, shard_factory(), "1.0", {"keep_after": 3}, prompts_per_batch=2)
     st.run_until(lambda s: s.delivered >= 8)
     dropped = st.service.totals.get("dropped_groups", 0)
     kept = st.service.delivered // 2
     assert dropped >= 3 * kept  # three dropped before each one kept
-    assert st.service.totals.get("uniform_kept", 0) == kept  # counted (metric and JSONL)
+    passed = st.service.totals.get("uniform_kept", 0)  # counted (metric and JSONL), with any of
+    assert passed - st.service.totals.get("surplus_groups", 0) == kept  # them beyond a grant discarded
     assert st.drain.control.admission.started == st.service.delivered  # the dropped groups' quota came back
     assert all(t.reward == 1.0 for t in st.buffered(cfg))
+
+
+def _batches_to_deliver(tmp_path, shard_factory, oversample: float, groups: int) -> tuple[int, dict, int]:
+    """A service whose DAPO filter drops half the groups (prompts 0 and 1 always score 1.0, 2
+    and 3 at random) until it delivered `groups` groups of 2: (generate calls, its totals,
+    samples admitted)."""
+    tmp_path.mkdir()
+    half = "1.0 if reference in '01' else random.random()"
+    cfg, st = dapo_service(tmp_path, shard_factory(), half, {"oversample": oversample}, prompts_per_batch=4)
+    st.run_until(lambda s: s.delivered >= 2 * groups)
+    calls = len(read_jsonl(cfg.run_dir / "metrics" / "rollout-0.jsonl"))
+    assert all(max(t.reward for t in g) > min(t.reward for t in g) for g in by_group(st.buffered(cfg)))
+    return calls, dict(st.service.totals), st.drain.control.admission.started - st.service.delivered
+
+
+def by_group(trajs: list) -> list[list]:
+    groups: dict[str, list] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t)
+    return list(groups.values())
+
+
+def test_oversampling_fills_a_grant_the_filter_thins_in_fewer_generate_calls(tmp_path, shard_factory):
+    """DAPO's filter keeping half the groups: with `oversample: 2` a service generates about
+    twice the grant once it has seen that, so each call fills its grant; with 1 each call
+    delivers half of it and the rest waits for another call. Surplus groups are discarded and
+    counted, and no more is delivered than admitted."""
+    rounds, plain, leaked = _batches_to_deliver(tmp_path / "plain", shard_factory, 1.0, groups=48)
+    assert leaked == 0 and plain.get("surplus_groups", 0) == 0
+    calls, over, leaked = _batches_to_deliver(tmp_path / "over", shard_factory, 2.0, groups=48)
+    assert leaked == 0  # the surplus was never PUT, and what was not delivered was refunded
+    assert over["dropped_groups"] > 0 and "surplus_groups" in over
+    assert calls < 0.7 * rounds, (calls, rounds, over)  # here about half as many (14-15 to 27-32)
 
 
 def test_groups_a_reward_fails_on_are_skipped_counted_and_their_quota_refunded(tmp_path, shard_factory):

@@ -277,6 +277,11 @@ class DropZeroVariance(Section):
     task is solved (or gives no signal) every group scores the same, and dropping them all would
     starve the learner for good. A kept group's advantages are zero (the step learns nothing from
     it) and the service logs it. null: drop every one."""
+    oversample: float = Field(default=2.0, ge=1.0)
+    """At most this many times the granted prompts in one generate call. A service generates
+    the grant over the share of groups it has been keeping (plus one), so that one call usually
+    fills the grant instead of leaving a few groups to a second whole decode loop; kept groups
+    beyond the grant are discarded (`surplus_groups`). 1: generate the grant, refill in rounds."""
 
 
 class UserGroupFilter(Section):
