@@ -13,7 +13,7 @@ shards with checkpoints every 50 steps and the experience archive off (the archi
 design) exercise the log's compaction and recycling all along.
 
     python benchmarks/soak.py [--minutes 10] [--interval 10] [--warmup S] [--out benchmarks/results/soak]
-    python benchmarks/soak.py --quick      # smoke test: 25 s, not a measurement
+    python benchmarks/soak.py --quick      # smoke test: 25 s once every role is up, not a measurement
 
 Prints a table and writes <out>/soak.json and <out>/soak.png (RSS and descriptors over time).
 """
@@ -60,7 +60,8 @@ def sample(run_dir: Path) -> dict[str, dict]:
 
 
 def soak(run_dir: Path, seconds: float, interval: float, console: Console) -> tuple[list[dict], int, int]:
-    """Run the quickstart for `seconds`, sampling; then Ctrl-C it. (samples, steps, exit code)"""
+    """Run the quickstart for `seconds` once it is up, sampling; then Ctrl-C it. (samples,
+    steps, exit code)"""
     overrides = (
         f"run.dir={run_dir}", "rollout.engine=hf", "learner.total_steps=100000000",
         "learner.checkpoint_every=50", "metrics.tensorboard=true",
@@ -70,8 +71,9 @@ def soak(run_dir: Path, seconds: float, interval: float, console: Console) -> tu
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     samples: list[dict] = []
-    t0 = time.monotonic()
     try:
+        wait_until_up(proc, run_dir, timeout_s=300)
+        t0 = time.monotonic()
         while time.monotonic() - t0 < seconds:
             if proc.poll() is not None:
                 raise RuntimeError(f"the run ended early (exit {proc.returncode}); logs in {run_dir}/logs")
@@ -84,6 +86,29 @@ def soak(run_dir: Path, seconds: float, interval: float, console: Console) -> tu
         os.kill(proc.pid, signal.SIGINT)  # as Ctrl-C: every role stops in order
         code = proc.wait(timeout=120)
     return samples, len(read_jsonl(run_dir / "metrics" / "learner.jsonl")), code
+
+
+def wait_until_up(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> None:
+    """Until every role the run plans (sluice.launch.plan) has recorded its endpoint and the
+    learner has logged a step: the soak's clock starts there, not at the launch (start-up took
+    over 25 s on a slow machine, the whole of a quick soak)."""
+    from sluice.config import load_config
+    from sluice.launch.plan import plan_roles
+
+    deadline = time.monotonic() + timeout_s
+    roles: set[str] | None = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the run ended while starting (exit {proc.returncode}); logs in {run_dir}/logs"
+            )
+        if roles is None and (run_dir / "config.yaml").is_file():
+            roles = {spec.name for spec in plan_roles(load_config(run_dir / "config.yaml"))}
+        recorded = {f.stem for f in (run_dir / "endpoints").glob("*.json")}
+        if roles is not None and roles <= recorded and read_jsonl(run_dir / "metrics" / "learner.jsonl"):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"the run's roles were not all up, with a learner step, in {timeout_s:.0f} s")
 
 
 def summarise(samples: list[dict], warmup: float) -> list[dict]:
