@@ -56,11 +56,10 @@ class Oversampler:
 
     def __init__(self, most: float, weight: float = 0.25) -> None:
         self.most, self.weight = most, weight
-        self.keep_rate = 1.0
-        self.seen = False  # the first batch's share replaces the prior (1.0) outright
+        self.keep_rate: float | None = None  # None until a batch is seen; the first one's share outright
 
     def prompts(self, n: int) -> int:
-        if self.most <= 1.0 or self.keep_rate >= 1.0:
+        if self.most <= 1.0 or self.keep_rate is None or self.keep_rate >= 1.0:
             return n
         most = math.floor(n * self.most)
         if self.keep_rate * most <= n:  # (nothing kept lately: a keep rate of 0 asks the most)
@@ -70,9 +69,10 @@ class Oversampler:
     def observe(self, live: int, kept: int) -> None:
         """A batch's groups: `live` scored, `kept` of them passed every filter."""
         if live:
-            weight = self.weight if self.seen else 1.0
-            self.keep_rate += weight * (kept / live - self.keep_rate)
-            self.seen = True
+            share = kept / live
+            self.keep_rate = (
+                share if self.keep_rate is None else self.keep_rate + self.weight * (share - self.keep_rate)
+            )
 
 
 def oversampler(stages: Sequence[Any]) -> Oversampler:
