@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 
+import numpy as np
 import pytest
 from helpers.sim_services import DrainThread, sim_config, start_service
 from helpers.wait import wait_until
@@ -211,13 +212,15 @@ def test_a_task_every_group_scores_the_same_on_does_not_starve_the_learner(tmp_p
 
 def _batches_to_deliver(tmp_path, shard_factory, oversample: float, groups: int) -> tuple[int, dict, int]:
     """A service whose DAPO filter drops half the groups (prompts 0 and 1 always score 1.0, 2
-    and 3 at random) until it delivered `groups` groups of 2: (generate calls, its totals,
-    samples admitted)."""
+    and 3 at random) until it delivered `groups` groups of 2: (the generate calls it took to
+    get there, its totals, samples admitted but not delivered)."""
     tmp_path.mkdir()
     half = "1.0 if reference in '01' else random.random()"
     cfg, st = dapo_service(tmp_path, shard_factory(), half, {"oversample": oversample}, prompts_per_batch=4)
     st.run_until(lambda s: s.delivered >= 2 * groups)
-    calls = len(read_jsonl(cfg.run_dir / "metrics" / "rollout-0.jsonl"))
+    delivered = np.cumsum([row["samples"] for row in read_jsonl(cfg.run_dir / "metrics" / "rollout-0.jsonl")])
+    calls = int(np.searchsorted(delivered, 2 * groups)) + 1  # up to the call that reached the target: the
+    # ones the service made while the test was stopping it depend on the machine's load, not the setting
     assert all(max(t.reward for t in g) > min(t.reward for t in g) for g in by_group(st.buffered(cfg)))
     return calls, dict(st.service.totals), st.drain.control.admission.started - st.service.delivered
 
@@ -239,7 +242,7 @@ def test_oversampling_fills_a_grant_the_filter_thins_in_fewer_generate_calls(tmp
     calls, over, leaked = _batches_to_deliver(tmp_path / "over", shard_factory, 2.0, groups=48)
     assert leaked == 0  # the surplus was never PUT, and what was not delivered was refunded
     assert over["dropped_groups"] > 0 and "surplus_groups" in over
-    assert calls < 0.7 * rounds, (calls, rounds, over)  # here about half as many (14-15 to 27-32)
+    assert calls < 0.7 * rounds, (calls, rounds, over)  # 13 against 24 here, loaded or not
 
 
 def test_groups_a_reward_fails_on_are_skipped_counted_and_their_quota_refunded(tmp_path, shard_factory):
