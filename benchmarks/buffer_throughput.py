@@ -35,7 +35,7 @@ client on another host uses (the namespaces still share one filesystem, so `auto
 the shards' files and share memory).
 
     python benchmarks/buffer_throughput.py            # several minutes
-    python benchmarks/buffer_throughput.py --quick    # seconds (the smoke test uses it)
+    python benchmarks/buffer_throughput.py --quick    # seconds, no steady-state warm-up (the smoke test)
     python benchmarks/buffer_throughput.py --quick --netns --no-ray --transports zmq
 
 Prints a table and writes JSON (default benchmarks/results/buffer_throughput.json).
@@ -443,9 +443,11 @@ def bench_sluice(
     window: int = 2,
     ack_with_get: bool = True,
     across: Lab | None = None,
+    steady: bool = True,
 ) -> Case:
     """PUT + GET + ACK through `shards` shard processes. `reads`: the consumer reads every byte.
-    `across` (the calling thread in its client namespace): the shards in the other namespace."""
+    `across` (the calling thread in its client namespace): the shards in the other namespace.
+    `steady`: warm up to the logs' steady state first (else four PUTs a shard: --quick)."""
     import xxhash
 
     from sluice.buffer.client import BufferClient
@@ -465,8 +467,11 @@ def bench_sluice(
     ready, go, done, release = ctx.Event(), ctx.Event(), ctx.Event(), ctx.Event()
     shared_bytes = ctx.Value("q", 0)
     # Durable, or sharing memory-backed segments: reach the steady state of segment reuse first.
-    cycled = durable or transport == "same-host"
-    warm = warmup_count(size, shards, n) if cycled else max(1, n // 20)
+    cycled = steady and (durable or transport == "same-host")
+    # --quick: four PUTs a shard, past the first ones (with a twentieth of n, 2.5% of one same-host
+    # shard's 1 KB trajectories went as frames).
+    quick_warm = max(n // 20, 4 * batch * shards)
+    warm = warmup_count(size, shards, n) if cycled else max(1, n // 20) if steady else quick_warm
     total = warm + n
     same_host = TRANSPORTS[transport]
     producer = ctx.Process(
@@ -801,7 +806,7 @@ def main() -> None:
     sizes = [SIZE_NAMES[s] for s in args.sizes.split(",")]
     shard_counts = [int(s) for s in args.shards.split(",")]
     transports = args.transports.split(",")
-    opts = {"window": args.put_window, "ack_with_get": not args.separate_ack}
+    opts = {"window": args.put_window, "ack_with_get": not args.separate_ack, "steady": not args.quick}
     budget = args.mb_per_case * MB
     lo, hi = 200, 20000
     ray_budget = min(budget, 128 * MB)

@@ -13,7 +13,7 @@ shards with checkpoints every 50 steps and the experience archive off (the archi
 design) exercise the log's compaction and recycling all along.
 
     python benchmarks/soak.py [--minutes 10] [--interval 10] [--warmup S] [--out benchmarks/results/soak]
-    python benchmarks/soak.py --quick      # smoke test: 25 s once every role is up, not a measurement
+    python benchmarks/soak.py --quick      # smoke test: 12 s once every role is up, not a measurement
 
 Prints a table and writes <out>/soak.json and <out>/soak.png (RSS and descriptors over time).
 """
@@ -91,7 +91,7 @@ def soak(run_dir: Path, seconds: float, interval: float, console: Console) -> tu
 def wait_until_up(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> None:
     """Until every role the run plans (sluice.launch.plan) has recorded its endpoint and the
     learner has logged a step: the soak's clock starts there, not at the launch (start-up took
-    over 25 s on a slow machine, the whole of a quick soak)."""
+    over 25 s on a slow machine, longer than a whole quick soak)."""
     from sluice.config import load_config
     from sluice.launch.plan import plan_roles
 
@@ -152,10 +152,10 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=None, help="s ignored first (default: half the run)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "soak")
-    ap.add_argument("--quick", action="store_true", help="25 s, samples every 2 s: a smoke test")
+    ap.add_argument("--quick", action="store_true", help="12 s, samples every 2 s: a smoke test")
     args = ap.parse_args()
     if args.quick:
-        args.minutes, args.interval, args.warmup = 25 / 60, 2.0, 10.0
+        args.minutes, args.interval, args.warmup = 12 / 60, 2.0, 4.0
     if args.warmup is None:  # bounded structures fill first: the buffer's dedupe window took ~3 min
         args.warmup = args.minutes * 30
     console = Console()

@@ -109,11 +109,24 @@ def init_dist(lc: LearnerConfig, device: torch.device) -> DistContext:
     if lc.backend == "deepspeed":
         import deepspeed
 
+        if device.type == "cpu":
+            skip_inference_shm_op()
         deepspeed.init_distributed(dist_backend=backend, timeout=timeout, rank=rank, world_size=world)
     else:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return DistContext(rank, world, device, cpu_group)
+
+
+def skip_inference_shm_op() -> None:
+    """DeepSpeed's CPU comm backend JIT-compiles a shared-memory all-reduce op when it starts
+    (`deepspeed_shm_comm`, used only by `inference_all_reduce`): ~50 s of C++ build in each new
+    venv (its cache is keyed by the include paths), for an op training never calls. Marked not
+    compatible (DeepSpeed keeps that dict for such edits), the backend starts without it."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def pick_device(kind: str, local_rank: int = 0) -> torch.device:

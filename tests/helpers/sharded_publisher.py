@@ -102,6 +102,9 @@ def main() -> None:
     else:
         import deepspeed
 
+        from sluice.learner.dist import skip_inference_shm_op
+
+        skip_inference_shm_op()  # (as the learner does on CPU: no JIT build of an inference op)
         deepspeed.init_distributed(dist_backend="gloo")
         config = {
             "train_batch_size": 2,
