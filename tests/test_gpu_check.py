@@ -3,14 +3,25 @@ few steps, weight_sync --quick, rollout_throughput --quick) write the same layou
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def inductor_cache() -> dict[str, str]:
+    """TORCHINDUCTOR_CACHE_DIR as set, or torch's default for this user and temp dir."""
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": where
+        or str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    }
 
 
 @pytest.mark.slow
@@ -19,8 +30,10 @@ def test_gpu_check_dry_run(tmp_path, process_reaper):
     proc = subprocess.Popen(
         ["bash", "scripts/gpu_check.sh", "--dry-run"],
         cwd=ROOT,
-        # TMPDIR: the script's work folder lands in tmp_path even if it is killed
-        env={**os.environ, "OUT": str(out), "TMPDIR": str(tmp_path), "COLUMNS": "160"},
+        # TMPDIR: the script's work folder lands in tmp_path even if it is killed. Torch's compile
+        # cache stays where it is (under the machine's temp dir): in a fresh one, the compile of
+        # vLLM's log-prob rank kernel cost the engines step ~30 s on every run of this test.
+        env={**os.environ, "OUT": str(out), "TMPDIR": str(tmp_path), "COLUMNS": "160", **inductor_cache()},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
