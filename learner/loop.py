@@ -205,11 +205,7 @@ class Learner:
             sync_s = (
                 self.publish_weights() if step.local is not None and self.version % ws.every == 0 else 0.0
             )
-            t3 = time.perf_counter()
-            if step.checkpoint_after:
-                self.checkpoint()
-            t4 = time.perf_counter()
-            if step.local is not None:
+            if step.local is not None:  # before its checkpoint: that holds the step's line and totals
                 self.record(
                     step,
                     stats,
@@ -218,9 +214,10 @@ class Learner:
                     compute_cpu_s=cpu2 - cpu1,
                     compute_sleeps=sleeps2 - sleeps1,
                     sync_s=sync_s,
-                    ckpt_s=t4 - t3,
-                    step_s=t4 - t0,
+                    step_s=time.perf_counter() - t0,
                 )
+            if step.checkpoint_after:
+                self.checkpoint()
         if self.last_checkpoint != self.version:
             self.checkpoint()
         return 0
@@ -366,7 +363,7 @@ class Learner:
 
     def checkpoint(self) -> None:
         """Collective. Then rank 0 ACKs the leases whose effect the checkpoint holds."""
-        state = None
+        started, state = time.perf_counter(), None
         if self.dist.is_main:
             self.metrics.flush()  # the log holds every step the checkpoint will
             state = {"totals": self.totals, "returns": list(self.returns), "leases": self.ledger.state_dict()}
@@ -378,9 +375,10 @@ class Learner:
             lost = self._ack_trained()
             mark_acked(path, sorted(self.ledger.skip_ids))
             log.info(
-                "checkpoint v%d -> %s%s",
+                "checkpoint v%d -> %s in %.2f s%s",
                 self.version,
                 path,
+                time.perf_counter() - started,
                 f" ({len(lost)} ids lost their lease)" if lost else "",
             )
 

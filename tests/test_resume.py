@@ -126,6 +126,8 @@ def test_kill_9_and_resume_loses_nothing_and_trains_nothing_twice(tmp_path, shar
     # the version sequence continues from the checkpoint, and so do the metrics
     steps = read_jsonl(metrics)
     assert [s["version"] for s in steps] == list(range(1, 15))
+    # a checkpoint holds its own step's totals (recorded before it is written), so none is lost
+    assert steps[-1]["total_samples"] == 14 * BATCH
     assert (run_dir / "checkpoints" / "step_000014").is_dir()
     # exactly once along the surviving lineage: life 1 up to its checkpoint (v6), then life 2
     audit = read_jsonl(run_dir / "metrics" / "consumed.jsonl")
