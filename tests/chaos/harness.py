@@ -9,7 +9,9 @@ strikes at its own step, once the earlier one's victim is back. Afterwards the r
 for by id (`account`): it finished by itself, no trajectory was trained twice along the
 surviving lineage, every trajectory a shard acknowledged (exported with its fate) was trained,
 skipped or dropped by the learner, dropped as stale by a shard, or is still held; the version
-sequence has no gap or repeat, the staleness bound held, the stale-drop rate came back, no
+sequence has no gap or repeat, the staleness bound held, the stale-drop rate came back (over
+the second half of the steps after the step the last fault struck at, which the wait for earlier
+victims can put well past its `at_step`), no
 process or port outlived the run, and under Ray a killed role's ports stayed held (its bundle's
 PortKeeper) until its replacement bound them. `python tests/chaos/run.py` prints the table for both
 launchers; tests/chaos/test_chaos.py runs the `sluice run` rows in CI.
@@ -186,9 +188,11 @@ def run_with_faults(
     seen: set[int] = set()
     killed: set[str] = set()
     held_at_kill: dict[str, bool] = {}  # Ray: was the role's PortKeeper alive just after the kill
+    struck_at: list[int] = []  # the steps logged when each fault was injected (at or past at_step)
     try:
         for at_step, fault in faults:
             pids, held = strike(proc, run_dir, at_step, fault, frozenset(killed), pause_s)
+            struck_at.append(steps_logged(run_dir))
             seen |= pids
             killed |= {fault.role} if fault.kind == "kill" else set()
             if held is not None:
@@ -203,7 +207,7 @@ def run_with_faults(
     if held_at_kill:
         placed, back = port_keepers(run_dir, "placed"), port_keepers(run_dir, "restarted")
         report.ports_kept = all(held and back.get(r) == placed[r] for r, held in held_at_kill.items())
-    account(report, run_dir, work / "experience.parquet", [at for at, _ in faults], steps)
+    account(report, run_dir, work / "experience.parquet", struck_at, steps)
     report.orphans = sorted(p for p in seen if alive(p))
     report.busy_ports = [p for p in run_ports(run_dir) if not port_is_free(p)]
     return report
