@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -137,6 +138,21 @@ def ray_run(
 CARTPOLE = ROOT / "configs" / "cartpole.yaml"
 
 
+@pytest.fixture(scope="module")
+def two_node_cluster() -> Iterator[str]:
+    """Two Ray nodes on this machine (ray.cluster_utils.Cluster: separate raylets, separate
+    resources, 3 CPUs each), started once for the module's cases; yields its address."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
+    try:
+        cluster.add_node(num_cpus=3)
+        cluster.wait_for_nodes()
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
 @pytest.mark.parametrize(
     "config, overrides, learners",
     [
@@ -147,25 +163,20 @@ CARTPOLE = ROOT / "configs" / "cartpole.yaml"
     ],
     ids=["cartpole", "two-policies", "learner-group-of-2"],
 )  # fmt: skip
-def test_every_config_trains_spread_over_a_two_node_cluster(tmp_path, config, overrides, learners):
+def test_every_config_trains_spread_over_a_two_node_cluster(
+    tmp_path, two_node_cluster, config, overrides, learners
+):
     """Env rollouts, several policies, and the quickstart with a learner group of K ranks, each on
-    two Ray nodes on this machine (ray.cluster_utils.Cluster: separate raylets, separate
-    resources) with ray.strategy=SPREAD: the same role plan as `sluice run`
-    (sluice/launch/plan.py), each role its own Ray actor, roles on both nodes."""
-    from ray.cluster_utils import Cluster
-
+    two Ray nodes on this machine with ray.strategy=SPREAD: the same role plan as `sluice run`
+    (sluice/launch/plan.py), each role its own Ray actor, roles on both nodes. The cases run one
+    after another on one cluster (started once: ~8 s each), so each also shows the run before it
+    gave back what it held: a leaked placement group would leave this one's plan short of CPUs."""
     from sluice.config import load_config
     from sluice.launch.plan import plan_roles
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
-    try:
-        cluster.add_node(num_cpus=3)
-        cluster.wait_for_nodes()
-        run_dir = tmp_path / "run"
-        proc = ray_run(run_dir, config, *overrides, f"ray.address={cluster.address}", "ray.strategy=SPREAD")
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    finally:
-        cluster.shutdown()
+    run_dir = tmp_path / "run"
+    proc = ray_run(run_dir, config, *overrides, f"ray.address={two_node_cluster}", "ray.strategy=SPREAD")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     for name, steps in learners.items():
         assert len(read_jsonl(run_dir / "metrics" / f"{name}.jsonl")) == steps
     placed = {e["role"]: e["node_id"] for e in events(run_dir, "placed")}

@@ -4,7 +4,7 @@ account of what it did.
 A run is the quickstart with two shards, two rollout services, checkpoints every 10 steps, the
 audit trail (`learner.audit_consumed`) and the experience archive (`buffer.archive`, with small
 segments so compaction archives during the run). At step `at_step` one role is killed
-(`kill -9`) or paused (`SIGSTOP` for `pause_s`, then `SIGCONT`); a later fault of the same run
+(`kill -9`) or paused (`SIGSTOP` for the fault's `pause_s`, then `SIGCONT`); a later fault of the same run
 strikes at its own step, once the earlier one's victim is back. Afterwards the run is accounted
 for by id (`account`): it finished by itself, no trajectory was trained twice along the
 surviving lineage, every trajectory a shard acknowledged (exported with its fate) was trained,
@@ -53,10 +53,13 @@ OVERRIDES = (
 class Fault:
     kind: Literal["kill", "stop"]  # kill -9, or SIGSTOP for pause_s then SIGCONT
     role: str  # its name in the run: rollout-0, buffer-0, learner
+    # 12 s: past the control client's 10.5 s ADMIT time-out (the re-send path runs) and weight
+    # sync's 5 s liveness and 10 s ready time-outs, short of the 30 s service and sync time-outs
+    pause_s: float = 12.0
 
     @property
     def name(self) -> str:
-        return f"{'kill -9' if self.kind == 'kill' else 'SIGSTOP 20 s'} {self.role}"
+        return f"{'kill -9' if self.kind == 'kill' else f'SIGSTOP {self.pause_s:g} s'} {self.role}"
 
 
 FAULTS = [
@@ -148,13 +151,13 @@ def wait_for(predicate, proc: subprocess.Popen, timeout_s: float, what: str) -> 
         time.sleep(0.25)
 
 
-def inject(fault: Fault, pid: int, pause_s: float) -> None:
+def inject(fault: Fault, pid: int) -> None:
     if fault.kind == "kill":
         os.kill(pid, signal.SIGKILL)
         return
     os.kill(pid, signal.SIGSTOP)
     try:
-        time.sleep(pause_s)  # the pause is the scenario
+        time.sleep(fault.pause_s)  # the pause is the scenario
     finally:
         os.kill(pid, signal.SIGCONT)
 
@@ -165,11 +168,10 @@ def run_with_fault(
     work: Path,
     at_step: int = 30,
     steps: int = STEPS,
-    pause_s: float = 20.0,
     timeout_s: float = 900,
 ) -> Report:
     """One run of `steps` under `launcher` (run | ray) with `fault` at `at_step`, accounted for."""
-    return run_with_faults(launcher, [(at_step, fault)], work, steps, pause_s, timeout_s)
+    return run_with_faults(launcher, [(at_step, fault)], work, steps, timeout_s)
 
 
 def run_with_faults(
@@ -177,7 +179,6 @@ def run_with_faults(
     faults: list[tuple[int, Fault]],
     work: Path,
     steps: int = STEPS,
-    pause_s: float = 20.0,
     timeout_s: float = 900,
 ) -> Report:
     """One run of `steps` with each `(at_step, fault)` in turn, accounted for: a fault waits for
@@ -191,7 +192,7 @@ def run_with_faults(
     struck_at: list[int] = []  # the steps logged when each fault was injected (at or past at_step)
     try:
         for at_step, fault in faults:
-            pids, held = strike(proc, run_dir, at_step, fault, frozenset(killed), pause_s)
+            pids, held = strike(proc, run_dir, at_step, fault, frozenset(killed))
             struck_at.append(steps_logged(run_dir))
             seen |= pids
             killed |= {fault.role} if fault.kind == "kill" else set()
@@ -214,7 +215,7 @@ def run_with_faults(
 
 
 def strike(
-    proc: subprocess.Popen, run_dir: Path, at_step: int, fault: Fault, back: frozenset[str], pause_s: float
+    proc: subprocess.Popen, run_dir: Path, at_step: int, fault: Fault, back: frozenset[str]
 ) -> tuple[set[int], bool | None]:
     """`fault` once the learner logged `at_step` steps and the roles in `back` were restarted.
     Returns the run's pids just before it, and under Ray for a kill whether the victim's
@@ -223,7 +224,7 @@ def strike(
     wait_for(lambda: back <= restarted_roles(run_dir), proc, 300, f"restarts of {sorted(back)}")
     keepers = port_keepers(run_dir, "placed")
     pids = set(role_pids(run_dir).values()) | set(keepers.values())
-    inject(fault, role_pids(run_dir)[fault.role], pause_s)
+    inject(fault, role_pids(run_dir)[fault.role])
     return pids, (alive(keepers[fault.role]) if fault.kind == "kill" and fault.role in keepers else None)
 
 
