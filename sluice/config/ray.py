@@ -22,7 +22,8 @@ class RoleResources(Section):
 class RayConfig(Section):
     address: str | None = None
     """Cluster to join: "auto" (the cluster this node belongs to, as after `ray up` or `ray
-    start`), "ray://head:10001" (Ray Client), or None to start a local Ray instance."""
+    start`), "ray://head:10001" (Ray Client), or None to start a local Ray instance (a new one,
+    even where a cluster already runs on this machine or RAY_ADDRESS names one)."""
     local_num_cpus: int | None = Field(default=None, ge=1)
     """CPUs of the local instance when address is None (None: every core of this machine)."""
     namespace: str = "sluice"

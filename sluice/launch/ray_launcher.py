@@ -2,8 +2,9 @@
 
 The driver joins or starts a Ray cluster, places one bundle per role process in a placement
 group, gathers each actor's node address and ports into the run's config, runs each role with
-the same functions the per-role CLI commands call, replaces a dead rollout service, and shuts
-the roles down in order. docs/architecture.md ("Ray launcher") gives the rules and why.
+the same functions the per-role CLI commands call, replaces dead roles (at new addresses when
+Ray moved them off a dead node: sluice/launch/ray_addresses.py), and shuts the roles down in
+order. docs/architecture.md ("Ray launcher") gives the rules and why.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from sluice.config.learner import GroupPorts
 from sluice.config.loader import config_from_dict, dump_config
 from sluice.config.ray import RoleResources
 from sluice.config.run import RunConfig
@@ -28,6 +28,7 @@ from sluice.launch.departed import leave_for_dead
 from sluice.launch.local import _progress_info, resolve_run_dir, run_until_signalled
 from sluice.launch.plan import RoleSpec, find_spec, learner_restartable, plan_roles, run_role_spec, what_next
 from sluice.launch.progress import training_progress
+from sluice.launch.ray_addresses import Served, reserved_ports, write_addresses
 from sluice.launch.ray_logs import RoleEndWatch, write_role_ended
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USER_CODE, quiet_libraries, restartable
 from sluice.metrics import JsonlLog
@@ -111,14 +112,6 @@ class RoleActor:
         self.stop.set()
 
 
-def reserved_ports(spec: RoleSpec) -> int:
-    """How many ports a role serves on that the others must know before it starts: a shard its
-    endpoint; a learner group's rank 0 its control, weight-sync store and rendezvous ports."""
-    if spec.kind == "buffer":
-        return 1
-    return 3 if spec.kind == "learner" and spec.index == 0 else 0
-
-
 class PortKeeper:
     """Holds a role's ports on its node for the whole run, from an actor of its own in the role's
     bundle (no CPU): a role that dies and is replaced in its bundle binds the same ports again,
@@ -158,6 +151,45 @@ class Placed:
         if self.node is None:
             raise RuntimeError(f"{self.name}: its actor has not reported its node")
         return self.node["ip"]
+
+
+class StatusPoll:
+    """The learner's live numbers for the driver's progress bar, asked at most once a second
+    from the control server the config names now (a learner moved to another node is asked
+    there, docs/architecture.md "Ray launcher")."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.endpoint = ""
+        self.client: Any = None
+        self.next_poll = 0.0
+        self._open(cfg)
+
+    def _open(self, cfg: RunConfig) -> None:
+        from sluice.control.client import ControlClient
+        from sluice.security import secure_context
+
+        self.close()
+        self.endpoint = cfg.control.endpoint
+        self.client = ControlClient(self.endpoint, timeout_s=2.0, ctx=secure_context(cfg.security, "client"))
+
+    def learner(self, cfg: RunConfig) -> dict[str, Any] | None:
+        """The learner's status, or None when it is not yet time to ask or nobody answered."""
+        from sluice.rpc import RpcError, RpcTimeout
+
+        if time.monotonic() < self.next_poll:
+            return None
+        self.next_poll = time.monotonic() + 1.0
+        if cfg.control.endpoint != self.endpoint:
+            self._open(cfg)
+        try:
+            return self.client.status().learner
+        except (RpcTimeout, RpcError):
+            return None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
 
 
 class PlacementError(RuntimeError):
@@ -210,7 +242,9 @@ class RayLauncher:
         kwargs: dict[str, Any] = {"namespace": rc.namespace, "runtime_env": {"env_vars": env}}
         if rc.address is None:
             kwargs |= {"num_cpus": self._local_cpus(need["CPU"]), "include_dashboard": False}
-        ray.init(address=rc.address, log_to_driver=True, **kwargs)
+        # "local": a new instance even where a cluster runs on this machine or RAY_ADDRESS names
+        # one (ray.init's default would join it, and refuse num_cpus for it)
+        ray.init(address=rc.address or "local", log_to_driver=True, **kwargs)
         self.ends.attach()
         self.actor_class = ray.remote(RoleActor)
         self.keeper_class = ray.remote(PortKeeper)
@@ -291,28 +325,38 @@ class RayLauncher:
         """Ports reserved on the roles' own nodes (by their bundles' keepers), written into the
         config: each shard's endpoint, and for each learner group its rank 0's node with a
         control, weight-sync store and rendezvous port."""
+        cfg = self.cfg.model_copy(deep=True)
+        write_addresses(cfg, self._reserve([p for p in self.placed if p.keeper is not None]))
+        return cfg
+
+    def _reserve(self, placed: list[Placed]) -> list[Served]:
+        """Each role's ports, reserved by its keeper on its node (and the keeper's pid noted)."""
         import ray
 
-        cfg = self.cfg.model_copy(deep=True)
-        shards = [p for p in self.placed if p.spec.kind == "buffer"]
-        shard_ports = ray.get([p.keeper.reserve.remote(reserved_ports(p.spec)) for p in shards])
-        cfg.buffer.endpoints = [f"tcp://{p.node_ip()}:{ports[0]}" for p, ports in zip(shards, shard_ports)]
-        cfg.buffer.bind = [f"tcp://*:{ports[0]}" for ports in shard_ports]
-        heads = [p for p in self.placed if p.spec.kind == "learner" and reserved_ports(p.spec)]
-        reserved = ray.get([p.keeper.reserve.remote(reserved_ports(p.spec)) for p in heads])
-        for head, (control, store, dist) in zip(heads, reserved):
-            ip = head.node_ip()
-            if head.spec.policy == cfg.learner.policies[0]:
-                cfg.control.host, cfg.control.port, cfg.control.bind = ip, control, f"tcp://*:{control}"
-                cfg.weight_sync.master_addr, cfg.weight_sync.master_port = ip, store
-                cfg.learner.master_addr, cfg.learner.master_port = ip, dist
-            else:
-                ports = GroupPorts(control=control, weight_sync=store, dist=dist, host=ip)
-                cfg.learner.group_ports[head.spec.policy] = ports
-        keeping = [p for p in self.placed if p.keeper is not None]
-        for p, pid in zip(keeping, ray.get([p.keeper.pid.remote() for p in keeping])):
+        ports = ray.get([p.keeper.reserve.remote(reserved_ports(p.spec)) for p in placed])
+        pids = ray.get([p.keeper.pid.remote() for p in placed])
+        for p, pid in zip(placed, pids):
             p.keeper_pid = pid
-        return cfg
+        return [Served(p.spec, p.node_ip(), held) for p, held in zip(placed, ports)]
+
+    def _readdress(self, moved: list[Placed]) -> None:
+        """Roles that serve on reserved ports and came back on another node (theirs died, and
+        Ray moved their bundles): a new keeper in each bundle reserves ports on the new node
+        (the old keeper died with the old one), and the run's config names them from now on.
+        The caller restarts the roles that hold the old addresses."""
+        import ray
+
+        for p in moved:
+            ray.kill(p.keeper, no_restart=True)  # (gone with its node; a no-op then)
+            p.keeper = self._keeper(self.pg, p.bundle)
+        cfg = self.cfg.model_copy(deep=True)
+        write_addresses(cfg, self._reserve(moved))
+        self.cfg, self.config = cfg, cfg.model_dump(mode="json")
+        dump_config(cfg, self.run_dir / "config.yaml")
+        for p in moved:
+            self.console.print(
+                f"[yellow]{p.name} moved to {p.node_ip()}: the run's config names it there now"
+            )
 
     def _keeper(self, pg: Any, bundle: int) -> Any:
         """A PortKeeper actor in `pg`'s `bundle`: on its role's node, outliving any of its role's
@@ -351,16 +395,9 @@ class RayLauncher:
         """Wait for the learner; replace failed rollouts; fail on any other death."""
         import ray
 
-        from sluice.control.client import ControlClient
-        from sluice.rpc import RpcError, RpcTimeout
-        from sluice.security import secure_context
-
-        control = ControlClient(
-            self.cfg.control.endpoint, timeout_s=2.0, ctx=secure_context(self.cfg.security, "client")
-        )
         progress = training_progress(self.console, enabled=self.show_progress, refresh_per_second=2)
         code = EXIT_FAILED
-        next_poll = 0.0
+        status = StatusPoll(self.cfg)
         try:
             with progress:
                 task = progress.add_task(
@@ -381,16 +418,11 @@ class RayLauncher:
                     if verdict is not None:
                         code = verdict
                         break
-                    if time.monotonic() >= next_poll:
-                        next_poll = time.monotonic() + 1.0
-                        try:
-                            learner = control.status().learner
-                        except (RpcTimeout, RpcError):
-                            continue
-                        if "reward_mean" in learner:
-                            progress.update(task, completed=learner["version"], info=_progress_info(learner))
+                    learner = status.learner(self.cfg)
+                    if learner is not None and "reward_mean" in learner:
+                        progress.update(task, completed=learner["version"], info=_progress_info(learner))
         finally:
-            control.close()
+            status.close()
         return code
 
     def _on_exit(self, p: Placed) -> int | None:
@@ -435,9 +467,8 @@ class RayLauncher:
         return EXIT_FAILED
 
     def _restart_role(self, p: Placed, why: str) -> int | None:
-        """A dead rollout service or durable shard, again in its bundle (the same node: a
-        shard finds its log there). None: running again; EXIT_FAILED: a shard that Ray placed
-        on another node, away from its log, is not started empty."""
+        """A dead rollout service or durable shard, again in its bundle (the same node, unless
+        the node died: `_shard_moved`). None: running again; EXIT_FAILED: not."""
         import ray
 
         p.restarts += 1
@@ -445,18 +476,46 @@ class RayLauncher:
         ray.kill(p.actor, no_restart=True)
         gone = leave_for_dead(self.cfg, p.spec, int((p.node or {}).get("pid", 0)))  # no publish waits for it
         was = (p.node or {}).get("node_id")
-        self._start_actors([p])
-        moved = p.node is not None and p.node.get("node_id") != was
-        if p.spec.kind == "buffer" and moved and not shared_log(self.cfg):
-            self.console.print(
-                f"[red]{p.name} came back on another node ({(p.node or {}).get('ip')}), away from its "
-                "log: failing the run rather than serving an empty shard. Give buffer.log_dir a directory "
-                "every node mounts, then run the config again with learner.resume=auto"
-            )
-            return EXIT_FAILED
+        self._start_actors_again([p])
+        if p.spec.kind == "buffer" and (p.node or {}).get("node_id") != was:
+            return self._shard_moved(p, why)
         self._record("restarted", p, restarts=p.restarts, reason=why, left_weight_sync=gone)
         p.ref = p.actor.run.remote(self.config)
         return None
+
+    def _shard_moved(self, p: Placed, why: str) -> int | None:
+        """A shard whose node died came back on another: with a log every node mounts it serves
+        again at its new address (already in the config), and every learner group restarts
+        from its checkpoint (with its rollout services) to learn it; else the run fails
+        rather than serve an empty shard. None: running again; EXIT_FAILED: not."""
+        if not shared_log(self.cfg):
+            self.console.print(
+                f"[red]{p.name} came back on another node ({p.node_ip()}), away from its log: failing "
+                "the run rather than serving an empty shard. Give buffer.log_dir a directory every node "
+                "mounts, then run the config again with learner.resume=auto"
+            )
+            return EXIT_FAILED
+        self._record("restarted", p, restarts=p.restarts, reason=why)
+        p.ref = p.actor.run.remote(self.config)
+        heads = [q for q in self.placed if q.spec.kind == "learner" and q.spec.index == 0]
+        for head in heads:
+            if not self._restart_learner_group(head, None, f"{p.name} moved to {p.node_ip()}"):
+                done = self.learner_restarts.get(head.spec.policy, 0)
+                hint = what_next(self.cfg, head.spec, done, None)
+                self.console.print(
+                    f"[red]{head.name} cannot restart to learn where {p.name} moved: {escape(hint)}"
+                )
+                return EXIT_FAILED
+        return None
+
+    def _start_actors_again(self, placed: list[Placed]) -> None:
+        """`_start_actors` for roles that ran before; a serving role among them that Ray put
+        on another node (its node died) is re-addressed (`_readdress`) before anyone runs."""
+        was = {p.name: (p.node or {}).get("node_id") for p in placed}
+        self._start_actors(placed)
+        moved = [p for p in placed if p.keeper is not None and (p.node or {}).get("node_id") != was[p.name]]
+        if moved:
+            self._readdress(moved)
 
     def _restart_learner_group(self, p: Placed, rc: Any, error: str | None) -> bool:
         """As under `sluice run` (LocalLauncher._restart_learner_group: the group and its
@@ -479,7 +538,7 @@ class RayLauncher:
             q.ref, q.exit_code = None, None
             ray.kill(q.actor, no_restart=True)
         group.sort(key=lambda q: q.spec.kind != "learner")
-        self._start_actors(group)
+        self._start_actors_again(group)
         resumed = {**self.config, "learner": {**self.config["learner"], "resume": "auto"}}
         for q in group:
             self._record("restarted", q, restarts=done + 1, reason=error or f"exit {rc}")
