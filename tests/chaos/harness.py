@@ -14,7 +14,7 @@ the second half of the steps after the step the last fault struck at, which the 
 victims can put well past its `at_step`), no
 process or port outlived the run, and under Ray a killed role's ports stayed held (its bundle's
 PortKeeper) until its replacement bound them. `python tests/chaos/run.py` prints the table for both
-launchers; tests/chaos/test_chaos.py runs the `sluice run` rows in CI.
+launchers; tests/chaos/test_chaos.py runs the bounded set CI runs (its docstring).
 """
 
 from __future__ import annotations
