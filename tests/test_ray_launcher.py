@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers.plugin_example import TASK_BY_FILE, rewards_by_file
+from helpers.run_state import launcher_events as events
 from helpers.runs import HF_ENGINE
 
 from sluice.launch.ray_logs import ROLE_ENDED
@@ -49,10 +50,6 @@ def start_ray_run(run_dir: Path, log: Path, *overrides: str) -> subprocess.Popen
             start_new_session=True,
             env={**os.environ, "RAY_DEDUP_LOGS": "0"},
         )
-
-
-def events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in read_jsonl(run_dir / "metrics" / "launcher.jsonl") if e["event"] == kind]
 
 
 def descendants(pid: int) -> set[int]:

@@ -19,11 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import netns, procs
+from helpers.run_state import launcher_events
 from helpers.runs import HF_ENGINE
 from helpers.wait import running, wait_until
 
 from sluice.metrics import read_jsonl
-from sluice.testing.netns import SUBNET, Host
+from sluice.testing.netns import IFNAME, SUBNET, Host
 
 pytest.importorskip("ray")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -38,11 +39,9 @@ RAY_ENV = {
     "RAY_health_check_period_ms": "500",
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "4",
-    "GLOO_SOCKET_IFNAME": "sl0",  # weight sync's gloo, on each namespace's interface
+    "GLOO_SOCKET_IFNAME": IFNAME,  # weight sync's gloo, on each namespace's interface
     "OMP_NUM_THREADS": "1",
 }
-
-
 MOVABLE = '--resources={"movable": 2}'  # room for the learner and the shard
 
 
@@ -124,6 +123,4 @@ def start_run(head: Host, run_dir: Path, log: Path, shards: Path, reaper: list) 
 
 def events(run_dir: Path, kind: str) -> dict[str, dict]:
     """The launcher's last `kind` event of each role."""
-    return {
-        e["role"]: e for e in read_jsonl(run_dir / "metrics" / "launcher.jsonl") if e.get("event") == kind
-    }
+    return {e["role"]: e for e in launcher_events(run_dir, kind)}

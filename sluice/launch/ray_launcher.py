@@ -475,9 +475,7 @@ class RayLauncher:
         self.console.print(f"[yellow]{p.name} {why}; restarting it ({p.restarts}/{p.spec.max_restarts})")
         ray.kill(p.actor, no_restart=True)
         gone = leave_for_dead(self.cfg, p.spec, int((p.node or {}).get("pid", 0)))  # no publish waits for it
-        was = (p.node or {}).get("node_id")
-        self._start_actors_again([p])
-        if p.spec.kind == "buffer" and (p.node or {}).get("node_id") != was:
+        if self._start_actors_again([p]):  # only a shard among the roles restarted here serves
             return self._shard_moved(p, why)
         self._record("restarted", p, restarts=p.restarts, reason=why, left_weight_sync=gone)
         p.ref = p.actor.run.remote(self.config)
@@ -508,14 +506,16 @@ class RayLauncher:
                 return EXIT_FAILED
         return None
 
-    def _start_actors_again(self, placed: list[Placed]) -> None:
+    def _start_actors_again(self, placed: list[Placed]) -> list[Placed]:
         """`_start_actors` for roles that ran before; a serving role among them that Ray put
-        on another node (its node died) is re-addressed (`_readdress`) before anyone runs."""
+        on another node (its node died) is re-addressed (`_readdress`) before anyone runs.
+        Returns those moved serving roles."""
         was = {p.name: (p.node or {}).get("node_id") for p in placed}
         self._start_actors(placed)
         moved = [p for p in placed if p.keeper is not None and (p.node or {}).get("node_id") != was[p.name]]
         if moved:
             self._readdress(moved)
+        return moved
 
     def _restart_learner_group(self, p: Placed, rc: Any, error: str | None) -> bool:
         """As under `sluice run` (LocalLauncher._restart_learner_group: the group and its

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 import pyarrow.parquet as pq
-from helpers.run_state import alive, port_is_free, role_pids, run_ports
+from helpers.run_state import alive, launcher_events, port_is_free, role_pids, run_ports
 
 from sluice.experience import export_experience
 from sluice.metrics import read_jsonl
@@ -229,14 +229,12 @@ def strike(
 
 
 def restarted_roles(run_dir: Path) -> set[str]:
-    events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
-    return {e["role"] for e in events if e.get("event") == "restarted"}
+    return {e["role"] for e in launcher_events(run_dir, "restarted")}
 
 
 def port_keepers(run_dir: Path, event: str) -> dict[str, int]:
     """Role -> the pid of the Ray PortKeeper holding its ports, as its `event` records say."""
-    events = read_jsonl(run_dir / "metrics" / "launcher.jsonl")
-    return {e["role"]: e["ports_held_by"] for e in events if e.get("event") == event and "ports_held_by" in e}
+    return {e["role"]: e["ports_held_by"] for e in launcher_events(run_dir, event) if "ports_held_by" in e}
 
 
 def lineage(records: list[dict]) -> list[dict]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 from harness import FAULTS, Fault, run_with_fault, run_with_faults
+from helpers.run_state import launcher_events
 
 from sluice.metrics import read_jsonl
 
@@ -52,8 +53,7 @@ def test_a_killed_rollout_shard_and_learner_come_back_and_every_trajectory_is_ac
     assert report.stored > 0 and report.trained >= 120 * 128 - 2 * 128  # (a lost lineage: retrained)
     # the launcher took the dead service out of weight sync (departed.py), and its replacement
     # generated with weights newer than those of the kill
-    events = read_jsonl(tmp_path / "run" / "metrics" / "launcher.jsonl")
-    back = next(e for e in events if e.get("event") == "restarted" and e["role"] == "rollout-0")
+    back = next(e for e in launcher_events(tmp_path / "run", "restarted") if e["role"] == "rollout-0")
     assert back["left_weight_sync"] == ["default/rollout-0"], back
     batches = read_jsonl(tmp_path / "run" / "metrics" / "rollout-0.jsonl")
     assert max(r["version"] for r in batches if r["time"] > back["time"]) > 20

@@ -1,5 +1,5 @@
-"""What a run left behind: its role processes (by the endpoints they recorded) and the ports its
-config names, for the tests that check nothing outlives a run."""
+"""What a run left behind: its role processes (by the endpoints they recorded), the ports its
+config names, for the tests that check nothing outlives a run, and its launcher's events."""
 
 from __future__ import annotations
 
@@ -14,6 +14,13 @@ import yaml
 def role_pids(run_dir: Path) -> dict[str, int]:
     """Role name -> the pid its endpoint record names (the newest incarnation's)."""
     return {p.stem: json.loads(p.read_text())["pid"] for p in (run_dir / "endpoints").glob("*.json")}
+
+
+def launcher_events(run_dir: Path, kind: str) -> list[dict]:
+    """The launcher's `kind` events (placed, exit, restarted, ...), in order."""
+    from sluice.metrics import read_jsonl
+
+    return [e for e in read_jsonl(run_dir / "metrics" / "launcher.jsonl") if e.get("event") == kind]
 
 
 def alive(pid: int) -> bool:
