@@ -1,11 +1,16 @@
 """`sluice ray` on a Ray cluster of three nodes, each a network namespace with an address of its
 own (tests/helpers/netns.py): the node holding the learner and the shard dies (every process in
-it killed -9, its raylet too), Ray moves their bundles to a node that joined later, and the run
-goes on with both at their new addresses. With the old node's address still in the config,
-nothing could reach them (the namespaces share no other path): the stale config left the
-rollout services asking a control plane that was not there (run before the fix: no answer to a
-heartbeat, and no step after the resume). This is what the Ray launcher's re-addressing is for
-(sluice/launch/ray_addresses.py; docs/architecture.md, "Ray launcher")."""
+it stopped, the learner killed -9 so that its death is reported first, then the rest, its
+raylet too), Ray moves their bundles to a node that joined later, and the run goes on with both
+at their new addresses and one learner-group restart.
+
+What it caught, each before its fix: with the old node's address still in the config nothing
+could reach the moved roles (the namespaces share no other path), so the rollout services asked
+a control plane that was not there and no step followed the resume (the re-addressing:
+sluice/launch/ray_addresses.py); handled one by one, learner first, the driver placed the
+learner's new actor on the dying node and failed when it died there, and once such actors were
+started again the group restarted twice (the node-loss grouping: ray_node_loss.py).
+docs/architecture.md, "Ray launcher"."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import netns, procs
-from helpers.run_state import launcher_events
+from helpers.run_state import launcher_events, role_pids
 from helpers.runs import HF_ENGINE
 from helpers.wait import running, wait_until
 
@@ -92,6 +97,12 @@ def test_a_learner_and_shard_whose_node_dies_go_on_at_their_new_addresses(
             lambda: len(steps()) >= KILL_AFTER, 300, f"{KILL_AFTER} steps", interval_s=0.2, check=alive
         )
         assert len(steps()) < STEPS - 10  # (node b started in time)
+        # node a stops, its learner's death is reported first, then the node dies: handled one
+        # by one, the learner group would restart at the shard's old address, then again
+        for pid in a.pids():
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(role_pids(run_dir)["learner"], signal.SIGKILL)
+        wait_until(lambda: "whether they are still there" in log.read_text(), 60, "the driver's check")
         for pid in a.pids():
             os.kill(pid, signal.SIGKILL)
         assert driver.wait(timeout=400) == 0, log.read_text()[-4000:]
@@ -99,6 +110,9 @@ def test_a_learner_and_shard_whose_node_dies_go_on_at_their_new_addresses(
     for role in ("learner", "buffer-0"):
         assert moved[role]["ip"] == b.addr and moved[role]["node_id"] != placed[role]["node_id"], moved
         assert moved[role]["ports_held_by"] != placed[role]["ports_held_by"]  # a new keeper, on b
+    # one group restart for both: the shard's move, handled first, restarts the group
+    learner_restarts = [e for e in launcher_events(run_dir, "restarted") if e["role"] == "learner"]
+    assert len(learner_restarts) == 1, learner_restarts
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["control"]["host"] == config["weight_sync"]["master_addr"] == b.addr
     assert config["buffer"]["endpoints"][0].startswith(f"tcp://{b.addr}:")

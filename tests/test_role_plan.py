@@ -13,6 +13,7 @@ from sluice.config import load_config
 from sluice.config.learner import GroupPorts
 from sluice.launch.plan import find_spec, plan_roles, what_next
 from sluice.launch.ray_launcher import plan_resources
+from sluice.launch.ray_node_loss import handling_rank
 
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 CARTPOLE = ROOT / "configs" / "cartpole.yaml"
@@ -120,3 +121,11 @@ def test_a_role_that_is_not_restarted_says_why_and_what_to_do(tmp_path):
     assert "fail the same way" in what_next(cfg, rollout, 0, 3)  # a user's code raised
     memory = load_config(QUICKSTART, [f"run.dir={tmp_path}", "buffer.durable=false"])
     assert "buffer.durable: false" in what_next(memory, plan_roles(memory)[0], 0, -9)
+
+
+def test_roles_that_ended_together_are_handled_shards_then_learners_then_rollouts():
+    # one lost node with a shard and a learner: the shard's move restarts the learner group
+    # once, with the new address (handled the other way round, the group would restart twice)
+    cfg = load_config(QUICKSTART, ["buffer.shards=2", "learner.ranks=2"])
+    kinds = sorted((spec.kind for spec in reversed(plan_roles(cfg))), key=handling_rank)
+    assert kinds == ["buffer"] * 2 + ["learner"] * 2 + ["rollout"] * cfg.rollout.services

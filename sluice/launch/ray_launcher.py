@@ -30,6 +30,7 @@ from sluice.launch.plan import RoleSpec, find_spec, learner_restartable, plan_ro
 from sluice.launch.progress import training_progress
 from sluice.launch.ray_addresses import Served, reserved_ports, write_addresses
 from sluice.launch.ray_logs import RoleEndWatch, write_role_ended
+from sluice.launch.ray_node_loss import handling_rank, lost_with, process_died
 from sluice.launch.role import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_USER_CODE, quiet_libraries, restartable
 from sluice.metrics import JsonlLog
 from sluice.modeling.policy import materialize_policy_dir
@@ -43,6 +44,7 @@ ROLE_ENV = {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
 }
 LOG_DRAIN_S = 5.0  # how long shutdown waits for the roles' last lines to reach the driver
+START_ATTEMPTS = 3  # actors started at most this often when they die while starting (a node loss)
 log = logging.getLogger(__name__)
 
 
@@ -295,8 +297,28 @@ class RayLauncher:
         self._start_actors(self.placed)
 
     def _start_actors(self, placed: list[Placed]) -> None:
-        """One actor per role in its bundle; they start in parallel, each reports its node."""
+        """One actor per role in its bundle; they start in parallel, each reports its node. An
+        actor that dies while starting (its node died under it; Ray then moves the node's
+        bundles) is started again, START_ATTEMPTS times in all."""
         import ray
+        from ray.exceptions import RayActorError
+
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self._create_actors(placed)
+            try:
+                nodes = ray.get([p.actor.node.remote() for p in placed], timeout=self.cfg.ray.ready_timeout_s)
+                break
+            except RayActorError as e:
+                if attempt == START_ATTEMPTS:
+                    raise
+                why = str(e).strip().splitlines()[-1]
+                self.console.print(f"[yellow]a role died while starting ({escape(why)}): starting them again")
+                for p in placed:
+                    ray.kill(p.actor, no_restart=True)
+        for p, node in zip(placed, nodes):
+            p.node = node
+
+    def _create_actors(self, placed: list[Placed]) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pg = self.pg
@@ -315,9 +337,6 @@ class RayLauncher:
                 ),
             ).remote(p.spec, str(self.run_dir))
             p.died = False
-        nodes = ray.get([p.actor.node.remote() for p in placed], timeout=self.cfg.ray.ready_timeout_s)
-        for p, node in zip(placed, nodes):
-            p.node = node
 
     # -- addresses -----------------------------------------------------------------------------
 
@@ -411,7 +430,7 @@ class RayLauncher:
                     running = {p.ref: p for p in self.placed if p.ref is not None}
                     ready, _ = ray.wait(list(running), num_returns=len(running), timeout=0.5)
                     verdict = None
-                    for ref in ready:
+                    for ref in self._ended_in_order(ready, running):
                         if running[ref].ref is not ref:  # restarted meanwhile (its learner group)
                             continue
                         verdict = self._on_exit(running[ref]) if verdict is None else verdict
@@ -424,6 +443,22 @@ class RayLauncher:
         finally:
             status.close()
         return code
+
+    def _ended_in_order(self, ready: list[Any], running: dict[Any, Placed]) -> list[Any]:
+        """The `run` calls that ended, with those of the roles a lost node took along, in the
+        order to handle them (sluice/launch/ray_node_loss.py says why)."""
+        died = [running[r] for r in ready if process_died(r)]
+        nodes = {node for p in died if (node := (p.node or {}).get("node_id"))}
+        others = [
+            (r, p) for r, p in running.items() if r not in ready and (p.node or {}).get("node_id") in nodes
+        ]
+        if others:
+            self.console.print(
+                f"[yellow]{', '.join(p.name for p in died)} died: asking "
+                f"{', '.join(p.name for _, p in others)} on the same node whether they are still there"
+            )
+            ready = [*ready, *lost_with([(r, p.actor) for r, p in others], lambda actor: actor.node.remote())]
+        return sorted(ready, key=lambda r: handling_rank(running[r].spec.kind))
 
     def _on_exit(self, p: Placed) -> int | None:
         """A role's `run` returned or its process died. Returns the run's exit code when this

@@ -1,0 +1,67 @@
+"""Which roles a lost node took with it, so the Ray driver handles them as one event.
+
+A node that dies takes every role Ray placed on it, but the driver learns of their deaths one
+by one: the role whose connection broke first is reported at once, the others up to the
+cluster's node-death detection later (seconds to tens of seconds). Handled one by one, a
+learner that happened to be reported before its node's shard would restart at the shard's old
+address and then again once the shard moved. So when a role's process dies, the roles that
+shared its node are asked whether they are still there (a call to their actor, answered in
+milliseconds by a live one); those that do not answer are waited for, and everything that
+ended is handled shards first, then learners, then rollout services
+(docs/architecture.md, "Ray launcher").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+PING_S = 5.0  # how long a role on a dead role's node has to answer before it counts as lost
+NODE_LOSS_WAIT_S = 60.0  # how long the deaths of a lost node's other roles may take to be reported
+
+HANDLING_RANK = {"buffer": 0, "learner": 1}  # then rollout services (2)
+
+
+def handling_rank(kind: str) -> int:
+    """Where a role of `kind` goes among those that ended together: a shard's move restarts
+    the learner groups, which restart their rollout services."""
+    return HANDLING_RANK.get(kind, 2)
+
+
+def process_died(ref: Any) -> bool:
+    """Whether an ended `run` call ended because its actor's process died."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - any other ending is the role's own (its exit code or error)
+        return False
+    return False
+
+
+def lost_with(mates: Sequence[tuple[Any, Any]], ping: Callable[[Any], Any]) -> list[Any]:
+    """The `run` refs of the `mates` (run ref, actor: the roles still running on the node of a
+    role whose process died) that do not answer `ping` (a call on their actor) within PING_S,
+    once they too have ended (each waited for at most NODE_LOSS_WAIT_S)."""
+    import ray
+
+    pings = [ping(actor) for _, actor in mates]
+    answered, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_S)
+    quiet = [ref for (ref, _), p in zip(mates, pings) if p not in answered or _failed(p)]
+    if not quiet:
+        return []
+    ended, _ = ray.wait(quiet, num_returns=len(quiet), timeout=NODE_LOSS_WAIT_S)
+    return ended
+
+
+def _failed(ref: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except Exception:  # noqa: BLE001 - whatever the reason, the actor did not answer
+        return True
+    return False
