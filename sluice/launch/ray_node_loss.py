@@ -30,16 +30,9 @@ def handling_rank(kind: str) -> int:
 
 def process_died(ref: Any) -> bool:
     """Whether an ended `run` call ended because its actor's process died."""
-    import ray
     from ray.exceptions import RayActorError
 
-    try:
-        ray.get(ref, timeout=0)
-    except RayActorError:
-        return True
-    except Exception:  # noqa: BLE001 - any other ending is the role's own (its exit code or error)
-        return False
-    return False
+    return isinstance(_error(ref), RayActorError)
 
 
 def lost_with(mates: Sequence[tuple[Any, Any]], ping: Callable[[Any], Any]) -> list[Any]:
@@ -50,18 +43,19 @@ def lost_with(mates: Sequence[tuple[Any, Any]], ping: Callable[[Any], Any]) -> l
 
     pings = [ping(actor) for _, actor in mates]
     answered, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_S)
-    quiet = [ref for (ref, _), p in zip(mates, pings) if p not in answered or _failed(p)]
+    quiet = [ref for (ref, _), p in zip(mates, pings) if p not in answered or _error(p) is not None]
     if not quiet:
         return []
     ended, _ = ray.wait(quiet, num_returns=len(quiet), timeout=NODE_LOSS_WAIT_S)
     return ended
 
 
-def _failed(ref: Any) -> bool:
+def _error(ref: Any) -> Exception | None:
+    """What an ended call raised (None: it returned)."""
     import ray
 
     try:
         ray.get(ref, timeout=0)
-    except Exception:  # noqa: BLE001 - whatever the reason, the actor did not answer
-        return True
-    return False
+    except Exception as e:  # noqa: BLE001 - the caller asks what kind it was
+        return e
+    return None
