@@ -47,7 +47,9 @@ def install_example(target: Path) -> dict[str, str]:
 def learned(run_dir: Path, gain: float) -> list[float]:
     """The learner's batch reward rose by `gain` from its first 10 steps to its last 10. Over 9
     runs of the installed-plugin test here (seeds 0-6, one service, max_staleness 0, under
-    load), 100 steps gained 0.25-0.31; should one fall short, the message says what the run did."""
+    load), 100 steps gained 0.25-0.31; one CI run on a faster VM gained 0.146 (its greedy eval
+    0.09 -> 0.51). A run that learns nothing moves by noise: ~0.01 (the mean of 10 batches of
+    128 rewards near 0.1). Should one fall short, the message says what the run did."""
     steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
     rewards = [r["reward_mean"] for r in steps]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -92,7 +94,7 @@ def test_an_installed_plugin_package_is_found_by_entry_points_and_trains(tmp_pat
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    learned(run_dir, gain=0.15)
+    learned(run_dir, gain=0.1)
     record = rollout_record(run_dir)
     assert {"mean/reward_first_digit_right", "mean/reward_stops_after_one", "mean/prompt_digits"} <= set(
         record
