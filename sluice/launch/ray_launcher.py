@@ -148,6 +148,11 @@ class Placed:
     def name(self) -> str:
         return self.spec.name
 
+    @property
+    def node_id(self) -> str | None:
+        """The Ray node id its actor reported (None before it started)."""
+        return (self.node or {}).get("node_id")
+
     def node_ip(self) -> str:
         """The IP of the node its actor runs on (reported once the actor started)."""
         if self.node is None:
@@ -448,10 +453,8 @@ class RayLauncher:
         """The `run` calls that ended, with those of the roles a lost node took along, in the
         order to handle them (sluice/launch/ray_node_loss.py says why)."""
         died = [running[r] for r in ready if process_died(r)]
-        nodes = {node for p in died if (node := (p.node or {}).get("node_id"))}
-        others = [
-            (r, p) for r, p in running.items() if r not in ready and (p.node or {}).get("node_id") in nodes
-        ]
+        nodes = {p.node_id for p in died if p.node_id}
+        others = [(r, p) for r, p in running.items() if r not in ready and p.node_id in nodes]
         if others:
             self.console.print(
                 f"[yellow]{', '.join(p.name for p in died)} died: asking "
@@ -545,9 +548,9 @@ class RayLauncher:
         """`_start_actors` for roles that ran before; a serving role among them that Ray put
         on another node (its node died) is re-addressed (`_readdress`) before anyone runs.
         Returns those moved serving roles."""
-        was = {p.name: (p.node or {}).get("node_id") for p in placed}
+        was = {p.name: p.node_id for p in placed}
         self._start_actors(placed)
-        moved = [p for p in placed if p.keeper is not None and (p.node or {}).get("node_id") != was[p.name]]
+        moved = [p for p in placed if p.keeper is not None and p.node_id != was[p.name]]
         if moved:
             self._readdress(moved)
         return moved
