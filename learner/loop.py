@@ -141,6 +141,7 @@ class Learner:
             # until the batch is complete they could starve it (with max_staleness 0, every
             # stale sample holds quota its replacement needs).
             on_dropped=self.control.release,
+            on_returned=self.control.charge,
             ctx=client_ctx,
             # A new incarnation per start: the shards requeue what a crashed predecessor leased
             # at its first GET, instead of after buffer.lease_timeout_s.
@@ -277,7 +278,7 @@ class Learner:
             fetched=fetched,
             trained=trainable,
             violations=len(current) - len(fresh),
-            lost_lineage=len(fetched.leased.trajs) - len(current),
+            lost_lineage=fetched.lost_lineage,
             skipped=skipped,
             fetch_wait_s=time.perf_counter() - t0,
         )
@@ -307,12 +308,13 @@ class Learner:
         if not self.dist.is_main:
             return
         fetched = step.rank0_fetched()
-        # Samples of the batch not trained (beyond the bound, or of a lost lineage) give their
-        # quota back only when the step makes no version: a step that does advances the quota
-        # by a whole batch, these included (released as well, they stayed in flight beyond the
-        # bound for the rest of the run: 64 stale drops per step after a resume, measured).
+        # Samples of the batch beyond the bound give their quota back only when the step makes
+        # no version: a step that does advances the quota by a whole batch, these included
+        # (released as well, they stayed in flight beyond the bound for the rest of the run: 64
+        # stale drops per step after a resume, measured). A lost lineage's were leased beyond
+        # the batch, and released as their GET brought them (learner/source.py).
         if not step.trained:
-            self.control.release(step.violations + step.lost_lineage)
+            self.control.release(step.violations)
         self.control.seen(samples_by_service(fetched.leased.trajs))
         self.ledger.add(fetched.leased, step.skipped, fetched.leased_at)
         if self.audit is not None:

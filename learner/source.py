@@ -2,8 +2,14 @@
 
 Rules:
 - `request(version)` asks for the batch the learner will consume at `version`: whole groups
-  until `batch_size` trajectories, each GET with min_version = version - max_staleness (the
-  shard drops older groups). Only one batch is ever in flight: the next one.
+  until `batch_size` trajectories not newer than `version`, each GET with min_version =
+  version - max_staleness (the shard drops older groups). Only one batch is ever in flight:
+  the next one.
+- Trajectories newer than `version` (a lost lineage: made, before a crash, by weights the
+  resumed learner never made) are leased with the batch but not counted toward it: the batch is
+  topped up past them. Their admission quota goes back as each GET brings them (`on_dropped`,
+  as for the shards' stale drops), and is charged again (`on_returned`) when a batch holding
+  them is given back, since their next GET releases it once more.
 - With `prefetch`, a thread does the GETs with its own BufferClient (clients are not thread
   safe); without, `take()` does them in the caller's thread. Same code either way.
 - `take()` blocks until the requested batch is complete and returns it, or returns None when
@@ -23,13 +29,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
 from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.buffer.holder import Holder
 from sluice.config.learner import LearnerConfig
+from sluice.trajectory import Trajectory
 
 
 @dataclass
@@ -40,6 +47,26 @@ class FetchedBatch:
     leased_at: float  # monotonic time of the first GET
     fetch_s: float  # time spent completing it (GETs and long polls)
     gets: int = 0  # BufferClient.get calls it took
+
+    @property
+    def lost_lineage(self) -> int:
+        """Trajectories leased beyond the batch: newer than the version that consumes it."""
+        return newer_than(self.leased.trajs, self.version)
+
+
+def newer_than(trajs: list[Trajectory], version: int) -> int:
+    """How many of `trajs` were made by weights newer than `version`."""
+    return sum(t.version > version for t in trajs)
+
+
+@dataclass
+class _Assembly:
+    """The batch being leased: what it holds, since when, and how much of it counts."""
+
+    leased: LeasedBatch = field(default_factory=LeasedBatch)
+    leased_at: float = field(default_factory=time.monotonic)  # reset at its first lease
+    usable: int = 0  # trajectories not newer than the version: what counts toward the batch
+    newer: int = 0  # the others: a lost lineage's, their quota released
 
 
 def give_back(client: BufferClient, leased: LeasedBatch) -> None:
@@ -63,12 +90,17 @@ class BatchSource:
         stop: threading.Event,
         lease_timeout_s: float,
         on_dropped: Callable[[int], None] = lambda n: None,
+        on_returned: Callable[[int], None] = lambda n: None,
         ctx: zmq.Context | None = None,
         holder: Holder | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.holder = holder  # named on every GET: a restarted learner takes over its leases
-        self.on_dropped = on_dropped  # told of samples the shards dropped as stale, per GET
+        # told, per GET, of samples that will not be trained: dropped as stale by the shards,
+        # or of a lost lineage (leased beyond the batch) ...
+        self.on_dropped = on_dropped
+        # ... and of those of a lost lineage given back with a partial batch (leased again later)
+        self.on_returned = on_returned
         self.ctx = ctx
         self.lease_timeout_s = lease_timeout_s
         self.restarts = 0  # partial batches given back because their leases grew old
@@ -126,41 +158,56 @@ class BatchSource:
     def _fetch(self, client: BufferClient, version: int) -> FetchedBatch | None:
         lc = self.lc
         min_version = version - lc.max_staleness
-        leased = LeasedBatch()
+        batch = _Assembly()
         t0 = time.perf_counter()
-        leased_at = time.monotonic()
         gets = 0
-        while len(leased.trajs) < lc.batch_size:
+        while batch.usable < lc.batch_size:
             if self._stopping():
-                give_back(client, leased)
+                self._give_back(client, batch.leased, batch.newer)
                 return None
-            if leased.leases and time.monotonic() - leased_at > self.lease_timeout_s / 2:
-                leased = self._start_over(client, leased)  # too old to keep waiting on
+            if batch.leased.leases and time.monotonic() - batch.leased_at > self.lease_timeout_s / 2:
+                batch = self._start_over(client, batch)  # too old to keep waiting on
             part = client.get(
-                lc.batch_size - len(leased.trajs),
+                lc.batch_size - batch.usable,
                 min_version=min_version,
                 policy_id=self.policy_id,
                 wait_ms=lc.get_wait_ms,
             )
             gets += 1
-            if part.dropped_stale:
-                self.on_dropped(part.dropped_stale)
-            held = {t.traj_id for t in leased.trajs}
+            held = {t.traj_id for t in batch.leased.trajs}
             if any(t.traj_id in held for t in part.trajs):
                 # A lease of this batch is gone (its shard restarted, or it expired) and its
                 # groups came back: give the rest back and start over from this part.
-                leased = self._start_over(client, leased)
-            if not leased.leases and part.leases:
-                leased_at = time.monotonic()
-            leased.extend(part)
-        return FetchedBatch(version, min_version, leased, leased_at, time.perf_counter() - t0, gets)
+                batch = self._start_over(client, batch)
+            self._add(batch, part, version)
+        return FetchedBatch(
+            version, min_version, batch.leased, batch.leased_at, time.perf_counter() - t0, gets
+        )
 
-    def _start_over(self, client: BufferClient, leased: LeasedBatch) -> LeasedBatch:
+    def _add(self, batch: _Assembly, part: LeasedBatch, version: int) -> None:
+        """Add a GET's part to the batch; release the quota of what it will not train."""
+        newer = newer_than(part.trajs, version)
+        if part.dropped_stale + newer:
+            self.on_dropped(part.dropped_stale + newer)
+        if not batch.leased.leases and part.leases:
+            batch.leased_at = time.monotonic()
+        batch.leased.extend(part)
+        batch.usable += len(part.trajs) - newer
+        batch.newer += newer
+
+    def _give_back(self, client: BufferClient, leased: LeasedBatch, newer: int) -> None:
+        """NACK a batch not trained on; its lost lineage's quota is charged again (queued
+        again, those trajectories release it once more when a GET brings them back)."""
+        give_back(client, leased)
+        if newer:
+            self.on_returned(newer)
+
+    def _start_over(self, client: BufferClient, batch: _Assembly) -> _Assembly:
         """Give a partial batch back; the new one keeps its count of stale drops (the step
         reports every drop its GETs saw: the shard's count and the learner's agree)."""
-        give_back(client, leased)
+        self._give_back(client, batch.leased, batch.newer)
         self.restarts += 1
-        return LeasedBatch(dropped_stale=leased.dropped_stale)
+        return _Assembly(LeasedBatch(dropped_stale=batch.leased.dropped_stale))
 
     def _run(self) -> None:
         client = BufferClient(self.endpoints, ctx=self.ctx, holder=self.holder)
@@ -177,13 +224,13 @@ class BatchSource:
                 fetched = self._fetch(client, version)
                 with self._cond:
                     if fetched is not None and self._closing:
-                        give_back(client, fetched.leased)
+                        self._give_back(client, fetched.leased, fetched.lost_lineage)
                         break
                     self._ready = fetched
                     self._cond.notify_all()
             with self._cond:
                 if self._ready is not None:  # fetched, never taken: give it back
-                    give_back(client, self._ready.leased)
+                    self._give_back(client, self._ready.leased, self._ready.lost_lineage)
                     self._ready = None
         except BaseException as e:  # noqa: BLE001 - re-raised by take() in the learner thread
             with self._cond:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -117,6 +118,53 @@ def test_batch_source_leases_whole_groups_under_the_bound(shard_factory, prefetc
         source.close()
     stats = producer.stats()[0].stats
     assert stats["leased"] == 8  # the two batches taken (the caller ACKs them), nothing more
+    producer.close()
+
+
+def test_batch_source_tops_up_past_a_lost_lineage_and_accounts_for_its_quota(shard_factory):
+    """Trajectories newer than the version (made before a crash by weights the resumed learner
+    never made) are leased beyond the batch, which still holds `batch_size` it can train; their
+    quota is released as each GET brings them, and charged again when a partial batch holding
+    them is given back (they will be released again when leased again)."""
+    shard = shard_factory()
+    producer = BufferClient([shard.endpoint])
+    released: list[int] = []
+    returned: list[int] = []
+    stop = threading.Event()
+    lc = LearnerConfig(batch_size=4, max_staleness=1, get_wait_ms=50, prefetch=True)
+    source = BatchSource(
+        [shard.endpoint],
+        "default",
+        lc,
+        stop,
+        lease_timeout_s=60,
+        on_dropped=released.append,
+        on_returned=returned.append,
+    )
+    try:
+        # version 3 and version 5 alternate in the queue: t1, t3, t5, t7 are a lost lineage's
+        producer.put([traj(i, f"g{i}", 2, version=3 if i % 2 == 0 else 5) for i in range(8)])
+        source.request(3)
+        batch = source.take()
+        assert [t.traj_id for t in batch.leased.trajs if t.version <= 3] == ["t0", "t2", "t4", "t6"]
+        # GETs for 4 (t0-t3), then for the 2 missing (t4, t5), then for 1 (t6)
+        assert batch.lost_lineage == 3 and released == [2, 1] and batch.gets == 3
+        assert not returned
+        # at version 4, t7 (version 5) and two of version 9 are all of a lost lineage: leased,
+        # released, and charged back when the stopping learner gives its partial batch back
+        producer.put([traj(10 + i, f"h{i}", 2, version=9) for i in range(2)])
+        source.request(4)
+        deadline = time.monotonic() + 10
+        while sum(released) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sum(released) == 6
+        stop.set()
+        assert source.take() is None
+    finally:
+        source.close()
+    assert returned == [3]
+    stats = producer.stats()[0].stats
+    assert stats["queued"] == 3 and stats["leased"] == 7  # given back; the first batch's, held
     producer.close()
 
 
