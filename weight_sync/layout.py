@@ -128,15 +128,20 @@ def pack_bucket(
     (a flat tensor of the bucket's dtype), casting to the bucket dtype on the way: straight
     from the source into the buffer, no intermediate."""
     hi = bucket.numel if hi is None else hi
+    dst, src = [], []
     for slot in bucket.slots:
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         if start >= end:
             continue
-        src = tensors[slot.name].detach()
-        if src.numel() != slot.numel:
-            raise ValueError(f"tensor {slot.name!r} has {src.numel()} elements, the layout says {slot.numel}")
-        src = src.reshape(-1)[start - slot.offset : end - slot.offset]
-        out[start:end].copy_(src)
+        tensor = tensors[slot.name].detach()
+        if tensor.numel() != slot.numel:
+            raise ValueError(
+                f"tensor {slot.name!r} has {tensor.numel()} elements, the layout says {slot.numel}"
+            )
+        src.append(tensor.reshape(-1)[start - slot.offset : end - slot.offset])
+        dst.append(out[start:end])
+    if dst:  # one dispatch for the piece's slices: a copy_ each cost ~1.5x on a small model
+        torch._foreach_copy_(dst, src)
     return out
 
 
