@@ -174,3 +174,14 @@ def test_piece_summer_gives_one_word_per_piece_in_order():
 
 
 PINNED_WSUMS = [121441721184, 117293711360, 148520456000]
+
+
+def test_a_layout_with_a_gap_between_slots_is_an_error():
+    """Packing fills a piece with one op, which needs the slots back to back (as plan_buckets
+    lays them out); a layout that leaves a gap is refused, naming the slot."""
+    tensors = make_tensors()
+    bucket = one_bucket(tensors)
+    slots = [s if s.name != "w" else type(s)(s.name, s.shape, s.offset + 1, s.numel) for s in bucket.slots]
+    gapped = type(bucket)(bucket.dtype, bucket.numel + 1, slots)
+    with pytest.raises(ValueError, match="slot 'w' starts at element"):
+        pack_bucket(gapped, tensors, empty_bucket(gapped))

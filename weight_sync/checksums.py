@@ -41,7 +41,7 @@ class SlotHasher:
         hi = lo + piece.numel()
         slots = self.bucket.slots
         # one view of the piece's bytes, sliced per slot: a torch view per slot cost ~5x the
-        # hashing itself on a small model (~10 us a slot; docs/architecture.md, weight sync)
+        # hashing itself on a small model (docs/architecture.md, "Weight sync")
         raw, size = tensor_bytes(piece), piece.element_size()
         while len(self.sums) < len(slots):
             slot = slots[len(self.sums)]
