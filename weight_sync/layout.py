@@ -30,6 +30,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+_ITEMSIZES = {k: v.itemsize for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,8 @@ class Bucket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+    """Bytes per element of a wire dtype (`Bucket.nbytes` asks many times a publish)."""
+    return _ITEMSIZES[dtype]
 
 
 def wire_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
