@@ -64,8 +64,20 @@ def test_killed_rollout_is_restarted_then_ctrl_c_stops_every_role_and_frees_port
     proc = start_run(run_dir, "learner.total_steps=100000", *slow_heartbeat)
     process_reaper.append(proc)
     record = run_dir / "endpoints" / "rollout-0.json"
-    # one service alone can feed the first steps while the other is still starting (a loaded machine)
-    wait_until(lambda: learner_steps(run_dir) >= 5 and record.exists(), proc, "5 learner steps, rollout-0 up")
+    log_0 = run_dir / "logs" / "rollout-0.log"
+    # one service alone can feed the first steps while the other is still starting (a loaded
+    # machine): rollout-0 must have joined weight sync, or there is nothing for the launcher to
+    # take out (one CI run killed it while it still waited for its first weights)
+    wait_until(
+        lambda: (
+            learner_steps(run_dir) >= 5
+            and record.exists()
+            and log_0.exists()
+            and "rollout-0 joined" in log_0.read_text()
+        ),
+        proc,
+        "5 learner steps, rollout-0 joined weight sync",
+    )
 
     # kill -9 a rollout service: the launcher starts it again and training goes on
     killed = json.loads(record.read_text())["pid"]
