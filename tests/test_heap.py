@@ -28,7 +28,9 @@ def unfrozen():
 def test_what_the_role_built_is_frozen_and_later_cycles_are_still_collected(unfrozen):
     built = [{"weights": i} for i in range(1000)]
     frozen = freeze_startup_heap()
-    assert frozen >= len(built) and gc.get_freeze_count() == frozen
+    # frozen objects are still freed when their last reference goes (another thread's, here
+    # pytest-xdist's): the count can only shrink after the freeze (one CI run: 686,310 -> 686,308)
+    assert frozen >= len(built) and len(built) <= gc.get_freeze_count() <= frozen
     tracked = {id(o) for o in gc.get_objects()}  # generations 0-2: what a full pass walks
     assert not any(id(o) in tracked for o in built)
 
