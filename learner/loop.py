@@ -262,7 +262,7 @@ class Learner:
         assert fetched.version == self.version
         # Newer than this learner: generated, before a crash, by weights the resumed learner
         # never made (its checkpoint is older). Its versions will be made again, differently.
-        current = [t for t in fetched.leased.trajs if t.version <= fetched.version]
+        current = fetched.current()
         fresh = [t for t in current if t.version >= fetched.min_version]
         trainable, skipped = self.ledger.filter(fresh)
         next_version = self.version + 1 if trainable else self.version

@@ -53,6 +53,11 @@ class FetchedBatch:
         """Trajectories leased beyond the batch: newer than the version that consumes it."""
         return newer_than(self.leased.trajs, self.version)
 
+    def current(self) -> list[Trajectory]:
+        """The batch itself: trajectories not newer than the version that consumes it (the
+        complement of `lost_lineage`)."""
+        return [t for t in self.leased.trajs if t.version <= self.version]
+
 
 def newer_than(trajs: list[Trajectory], version: int) -> int:
     """How many of `trajs` were made by weights newer than `version`."""
