@@ -30,7 +30,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
-_ITEMSIZES = {k: v.itemsize for k, v in TORCH_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,9 @@ class Bucket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def itemsize(dtype: str) -> int:
-    """Bytes per element of a wire dtype (`Bucket.nbytes` asks many times a publish)."""
-    return _ITEMSIZES[dtype]
+    """Bytes per element of a wire dtype (`Bucket.nbytes` asks many times a publish: the dtype's
+    own attribute, no tensor made)."""
+    return TORCH_DTYPES[dtype].itemsize
 
 
 def wire_dtype(dtype: torch.dtype, cast_to: torch.dtype | None) -> torch.dtype:
@@ -141,9 +141,11 @@ def pack_bucket(
             raise ValueError(
                 f"tensor {slot.name!r} has {tensor.numel()} elements, the layout says {slot.numel}"
             )
-        if src and start != at:
+        if not src:
+            first = start
+        elif start != at:
             raise ValueError(f"slot {slot.name!r} starts at element {start}, the one before ends at {at}")
-        first, at = (start if not src else first), end
+        at = end
         src.append(tensor.reshape(-1)[start - slot.offset : end - slot.offset])
     if src:  # one op for the piece (casting): a copy_ per slice cost ~1.5x on a small model
         torch.cat(src, out=out[first:at])
