@@ -21,7 +21,13 @@ with glibc's defaults the same plain-torch step faults its activations' pages in
 step and took 4-6% longer, so this is the tighter bound. TRL runs as its users run it.
 
 Stop rule: the 5-step trailing mean of the per-step mean reward reaches 0.9 (the first steps at
-which it reached 0.5 and 0.7 are recorded too), or `--max-steps`.
+which it reached 0.5 and 0.7 are recorded too), or the run's clock passes `--budget` seconds
+(default 180), the same for both systems: what is compared is time to the threshold, so each
+gets the same time to reach it. A cap in steps (`--max-steps`, now only a safety) gave the
+system with the faster step less time: at 1,000 steps Sluice had stopped at ~65 s of clock
+while TRL still had ~125 s, and a Sluice run that would have reached 0.9 at step 1,100 (~72 s,
+sooner than TRL's 105 s on seed 0) counted as never reaching it. Points past the budget are cut
+from both curves.
 - TRL runs in its own process (`--trl-worker`); a TrainerCallback records (step, reward, wall
   time since on_train_begin) at each log (every step) and sets `should_training_stop`. Per
   step: time in `_generate_and_score_completions` (generation + reward + advantages),
@@ -111,7 +117,7 @@ the token count of the whole generation batch, which is what Sluice's token aggr
 (its `Denominator` carries the whole batch's counts). "bnpo" divides by the local batch's
 tokens: the same number with one process and no accumulation, as here; "grpo" is per-sequence.
 
-    .venv/bin/python benchmarks/vs_trl.py [--seeds 0 1 2] [--tasks copy reverse] [--max-steps 1500]
+    .venv/bin/python benchmarks/vs_trl.py [--seeds 0 1 2] [--tasks copy reverse] [--budget 180]
         [--out DIR] [--skip-trl] [--repeats N] [--group N] [--quick] [--sluice-config PATH]
         [--sluice-override KEY=VALUE ...]
 
@@ -175,6 +181,7 @@ THRESHOLDS = (0.5, 0.7, 0.9)
 STOP_AT = 0.9
 WINDOW = 5
 TRL_THREADS = 2
+BUDGET_S = 180.0  # clock seconds a run gets, the same for both systems (module docstring)
 CPU_WARMUP_STEPS = 20  # CPU per step is read from this step to the run's end (cpu_use.py)
 TASK_SEED = 7919  # a rollout service's task seed is run.seed * 7919 + its index
 LEARNER = LearnerConfig()  # Sluice's optimiser defaults, passed explicitly to both systems
@@ -303,37 +310,55 @@ def kill_leftover_roles(run_dir: Path) -> None:
             pass
 
 
-def watch(
-    proc: subprocess.Popen,
-    tail: Tail,
-    on_records: Callable[[list[dict]], bool],
-    timeout_s: float,
-) -> str:
-    """Poll `tail` until `on_records` says stop, the process exits, or the timeout."""
+def watch(proc: subprocess.Popen, tail: Tail, watcher: Watcher, timeout_s: float) -> str:
+    """Poll `tail` until the watcher sees the threshold or its clock budget spent, the process
+    exits, or the timeout (from launch: a safety, start-up included)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        if on_records(tail.poll()):
+        if watcher(tail.poll()):
             return "threshold"
+        if watcher.over_budget():
+            return f"budget ({watcher.budget_s:g} s)"
         if proc.poll() is not None:
-            return "threshold" if on_records(tail.poll()) else f"exited ({proc.returncode})"
+            return "threshold" if watcher(tail.poll()) else f"exited ({proc.returncode})"
         if time.monotonic() > deadline:
             return "timeout"
         time.sleep(0.5)
 
 
 class Watcher:
-    """Collects the per-step rewards of a run as they appear and drives its progress line."""
+    """Collects the per-step rewards of a run as they appear, drives its progress line and
+    tells when the run's clock (`clock(first step record, latest)`, seconds) passed its budget."""
 
     def __init__(
-        self, progress: Progress, label: str, reward_key: str, step_key: str, cpu: CpuSampler | None = None
+        self,
+        progress: Progress,
+        label: str,
+        reward_key: str,
+        step_key: str,
+        clock: Callable[[dict, dict], float],
+        budget_s: float,
+        cpu: CpuSampler | None = None,
     ) -> None:
         self.progress, self.reward_key, self.step_key = progress, reward_key, step_key
+        self.clock, self.budget_s = clock, budget_s
         self.rewards: list[float] = []
+        self.first: dict | None = None
+        self.last: dict | None = None
         self.cpu = cpu  # polled with the step count at each look
         self.task = progress.add_task(label, total=None, info="starting")
 
+    def over_budget(self) -> bool:
+        return (
+            self.first is not None
+            and self.last is not None
+            and self.clock(self.first, self.last) > self.budget_s
+        )
+
     def __call__(self, records: list[dict]) -> bool:
         steps = [r for r in records if self.reward_key in r]
+        if steps:
+            self.first, self.last = self.first or steps[0], steps[-1]
         self.rewards += [float(r[self.reward_key]) for r in steps]
         if steps:
             mean = trailing_means(self.rewards)[-1]
@@ -350,6 +375,23 @@ class Watcher:
 
 
 # -- Sluice ------------------------------------------------------------------------------------
+
+
+def sluice_clock(first: dict, last: dict) -> float:
+    """Seconds of a Sluice run's clock at its learner record `last`, counted from the start of
+    its first step's wait for data (no later than the first generation, which the curve's clock
+    starts at: the budget is spent a little sooner than the curve says)."""
+    return last["time"] - (first["time"] - first["step_s"])
+
+
+def trl_clock(first: dict, last: dict) -> float:
+    """Seconds of a TRL run's clock (since on_train_begin) at its step record `last`."""
+    return last["time_s"]
+
+
+def within_budget(curve: list[dict], budget_s: float) -> list[dict]:
+    """The part of a run's curve inside the clock budget both systems get."""
+    return [c for c in curve if c["time_s"] <= budget_s]
 
 
 def sluice_overrides(spec: dict, run_dir: Path) -> list[str]:
@@ -400,21 +442,21 @@ def run_sluice(spec: dict, progress: Progress) -> dict:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         cpu = CpuSampler(lambda: {"launcher": proc.pid, **role_pids(run_dir)}, CPU_WARMUP_STEPS)
         label = f"sluice {spec['task']} seed {run_label(spec)}"
-        watcher = Watcher(progress, label, "reward_mean", "version", cpu)
+        watcher = Watcher(progress, label, "reward_mean", "version", sluice_clock, spec["budget_s"], cpu)
         try:
             reason = watch(proc, Tail(run_dir / "metrics" / "learner.jsonl"), watcher, spec["timeout_s"])
         finally:
             stop_group(proc, grace_s=60.0)
             kill_leftover_roles(run_dir)
     watcher.done(reason)
-    result = sluice_result(run_dir, t_launch)
+    result = sluice_result(run_dir, t_launch, spec["budget_s"])
     if not result["curve"]:
         reason += ": " + (Path(spec["work"]) / f"{run_dir.name}.log").read_text(errors="replace")[-1500:]
     return {**result, "stop": reason, "exit_code": proc.returncode, "load_before": load_before,
             "load_after": os.getloadavg()[0], "cpu": cpu.per_step(), "command": cmd}  # fmt: skip
 
 
-def sluice_result(run_dir: Path, t_launch: float) -> dict:
+def sluice_result(run_dir: Path, t_launch: float, budget_s: float) -> dict:
     steps = read_jsonl(run_dir / "metrics" / "learner.jsonl")
     services = {p.stem: read_jsonl(p) for p in sorted((run_dir / "metrics").glob("rollout-*.jsonl"))}
     batches = [b for records in services.values() for b in records]
@@ -422,15 +464,18 @@ def sluice_result(run_dir: Path, t_launch: float) -> dict:
     if not steps or not batches:
         return {**base, **summarize_curve([]), "curve": []}
     clock0 = min(generation_start(b) for b in batches)
-    curve = [
-        {
-            "step": r["version"],
-            "time_s": r["time"] - clock0,
-            "reward": r["reward_mean"],
-            "tokens": r["tokens"],
-        }
-        for r in steps
-    ]
+    curve = within_budget(
+        [
+            {
+                "step": r["version"],
+                "time_s": r["time"] - clock0,
+                "reward": r["reward_mean"],
+                "tokens": r["tokens"],
+            }
+            for r in steps
+        ],
+        budget_s,
+    )
     summary = summarize_curve(curve)
     until = clock0 + summary["time_s"]
     generated = sum(b["tokens"] for b in batches if b["time"] <= until)
@@ -494,7 +539,8 @@ def run_trl(spec: dict, progress: Progress) -> dict:
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         cpu = CpuSampler(lambda: {"trainer": proc.pid}, CPU_WARMUP_STEPS)
-        watcher = Watcher(progress, f"trl    {spec['task']} seed {spec['seed']}", "reward", "step", cpu)
+        label = f"trl    {spec['task']} seed {spec['seed']}"
+        watcher = Watcher(progress, label, "reward", "step", trl_clock, spec["budget_s"], cpu)
         try:
             reason = watch(proc, Tail(Path(spec["log"])), watcher, spec["timeout_s"])
             if reason == "threshold":  # it stops itself there: let it exit cleanly
@@ -507,7 +553,9 @@ def run_trl(spec: dict, progress: Progress) -> dict:
     records = read_jsonl(Path(spec["log"]))
     begin = next((r for r in records if r.get("event") == "train_begin"), None)
     steps = [r for r in records if "reward" in r]
-    curve = [{k: r[k] for k in ("step", "time_s", "reward", "tokens")} for r in steps]
+    curve = within_budget(
+        [{k: r[k] for k in ("step", "time_s", "reward", "tokens")} for r in steps], spec["budget_s"]
+    )
     if reason.startswith("exited") and not steps:
         reason += ": " + (work / f"{name}.log").read_text(errors="replace")[-1500:]
     return {
@@ -1175,8 +1223,14 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--tasks", nargs="+", choices=["copy", "reverse"], default=["copy", "reverse"])
-    p.add_argument("--max-steps", type=int, default=1500)
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=BUDGET_S,
+        help="clock seconds each run gets to reach the threshold (both systems alike)",
+    )
+    p.add_argument("--max-steps", type=int, default=5000, help="a safety: the budget is the cap compared")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run from launch (a safety)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl")
     p.add_argument("--skip-trl", action="store_true", help="run Sluice (and the bound) only")
     p.add_argument(
@@ -1215,7 +1269,8 @@ def run_all(args, model_dir: Path, work: Path, console: Console) -> list[dict]:
         for i, (task, seed) in enumerate((t, s) for t in args.tasks for s in args.seeds):
             spec = {
                 "task": task, "seed": seed, "model_dir": str(model_dir), "work": str(work),
-                "max_steps": args.max_steps, "timeout_s": args.timeout, "group": args.group,
+                "max_steps": args.max_steps, "timeout_s": args.timeout, "budget_s": args.budget,
+                "group": args.group,
                 "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
             }  # fmt: skip
             order = [(run_sluice, k) for k in range(args.repeats)]
@@ -1289,6 +1344,7 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
         "group": args.group, "batch": step_batch(args.group), "max_new_tokens": MAX_NEW_TOKENS, "lr": LR,
         "temperature": TEMPERATURE,
         "stop_at": STOP_AT, "window": WINDOW, "thresholds": THRESHOLDS, "max_steps": args.max_steps,
+        "budget_s": args.budget,
         "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
         "trl_threads": TRL_THREADS, "quick": args.quick, "repeats": args.repeats,
     }  # fmt: skip

@@ -155,7 +155,7 @@ def test_each_seed_runs_trl_once_and_sluice_repeats_times(bench, monkeypatch, tm
 
     monkeypatch.setattr(bench, "bracketed", fake_bracketed)
     args = bench.argparse.Namespace(
-        tasks=["copy"], seeds=[0, 1], repeats=2, skip_trl=False, max_steps=5, timeout=1.0,
+        tasks=["copy"], seeds=[0, 1], repeats=2, skip_trl=False, max_steps=5, timeout=1.0, budget=9.0,
         sluice_config="c.yaml", sluice_override=[], bound_repeats=1, group=16,
     )  # fmt: skip
     runs = bench.run_all(args, tmp_path, tmp_path, bench.Console(file=io.StringIO()))
@@ -188,6 +188,55 @@ def test_the_group_sets_both_systems_batch(bench, tmp_path):
         overrides
     )
     assert {"run.seed=3", "task.name=copy", "learner.total_steps=9", "model.path=m"} <= set(overrides)
+
+
+class FakeProc:
+    def poll(self):
+        return None
+
+
+class ListTail:
+    """Hands out one more batch of records at each poll, as a growing log file would."""
+
+    def __init__(self, batches: list[list[dict]]) -> None:
+        self.batches = batches
+
+    def poll(self) -> list[dict]:
+        return self.batches.pop(0) if self.batches else []
+
+
+def watcher(bench, clock, budget_s: float, reward_key: str = "reward"):
+    progress = bench.Progress(console=bench.Console(file=io.StringIO()))
+    return bench.Watcher(progress, "run", reward_key, "step", clock, budget_s)
+
+
+def test_a_run_past_its_clock_budget_stops_on_each_systems_clock(bench, monkeypatch):
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    # TRL: its records carry seconds since on_train_begin
+    trl = [[{"step": 1, "time_s": 0.2, "reward": 0.1}], [{"step": 2, "time_s": 9.5, "reward": 0.1}],
+           [{"step": 3, "time_s": 10.5, "reward": 0.1}]]  # fmt: skip
+    w = watcher(bench, bench.trl_clock, 10.0)
+    assert bench.watch(FakeProc(), ListTail(trl), w, timeout_s=60) == "budget (10 s)"
+    assert w.rewards == [0.1, 0.1, 0.1]
+    # Sluice: epoch times, counted from the start of its first step's wait
+    sluice = [[{"step": 1, "time": 1000.5, "step_s": 0.5, "reward": 0.2}],
+              [{"step": 2, "time": 1009.9, "step_s": 0.1, "reward": 0.2}],
+              [{"step": 3, "time": 1010.1, "step_s": 0.1, "reward": 0.2}]]  # fmt: skip
+    w = watcher(bench, bench.sluice_clock, 10.0)
+    assert bench.watch(FakeProc(), ListTail(sluice), w, timeout_s=60) == "budget (10 s)"
+    assert len(w.rewards) == 3  # 9.9 s at step 2 (inside), 10.1 s at step 3 (past it)
+
+
+def test_the_threshold_inside_the_budget_stops_first_and_curves_are_cut_at_the_budget(bench, monkeypatch):
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+    records = [[{"step": i, "time_s": float(i), "reward": 0.95} for i in range(1, 6)]]
+    assert (
+        bench.watch(FakeProc(), ListTail(records), watcher(bench, bench.trl_clock, 10.0), 60) == "threshold"
+    )
+    curve = [{"step": i, "time_s": 4.0 * i, "reward": 1.0, "tokens": 1} for i in range(1, 6)]
+    assert [c["step"] for c in bench.within_budget(curve, 10.0)] == [1, 2]
+    # a crossing past the budget is not a crossing
+    assert bench.summarize_curve(bench.within_budget(curve, 10.0))["reached"] is False
 
 
 def test_version_to_generate_is_from_the_learners_record_to_the_first_generation_on_it(bench):
