@@ -357,10 +357,9 @@ class Watcher:
 
     def __call__(self, records: list[dict]) -> bool:
         steps = [r for r in records if self.reward_key in r]
-        if steps:
-            self.first, self.last = self.first or steps[0], steps[-1]
         self.rewards += [float(r[self.reward_key]) for r in steps]
         if steps:
+            self.first, self.last = self.first or steps[0], steps[-1]
             mean = trailing_means(self.rewards)[-1]
             info = f"step {steps[-1][self.step_key]}  reward {self.rewards[-1]:.3f}"
             info += f"  trailing {mean:.3f}" if mean is not None else ""

@@ -205,9 +205,9 @@ class ListTail:
         return self.batches.pop(0) if self.batches else []
 
 
-def watcher(bench, clock, budget_s: float, reward_key: str = "reward"):
+def watcher(bench, clock, budget_s: float):
     progress = bench.Progress(console=bench.Console(file=io.StringIO()))
-    return bench.Watcher(progress, "run", reward_key, "step", clock, budget_s)
+    return bench.Watcher(progress, "run", "reward", "step", clock, budget_s)
 
 
 def test_a_run_past_its_clock_budget_stops_on_each_systems_clock(bench, monkeypatch):
