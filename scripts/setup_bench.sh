@@ -3,11 +3,12 @@
 # (pyproject.toml): TRL 1.16.0 and accelerate for benchmarks/vs_trl.py, RLlib's extra imports
 # for benchmarks/cartpole.py. They never belong in the main install.
 #
-# torch stays exactly as setup.sh installed it: a pip constraint pins torch==2.13.0, so no peer
-# can pull another (e.g. a multi-GB CUDA) build; the PyPI torchvision/torchaudio/torchcodec
-# that break transformers beside the CPU torch are removed again afterwards.
+# Installed with uv like setup.sh. torch stays exactly as setup.sh installed it: a constraint
+# pins torch==2.13.0, so no peer can pull another (e.g. a multi-GB CUDA) build; the PyPI
+# torchvision/torchaudio/torchcodec that break transformers beside the CPU torch are removed
+# again afterwards.
 #
-# Idempotent like setup.sh: a stamp of the inputs (this script, setup.sh, pyproject.toml,
+# Idempotent like setup.sh: a stamp of the inputs (these scripts, pyproject.toml,
 # requirements/) is kept in the venv. Same environment variables as setup.sh.
 set -euo pipefail
 
@@ -18,23 +19,22 @@ TORCH_PIN="torch==2.13.0"
 
 bash "$ROOT/scripts/setup.sh"
 
-want="$(cat "$ROOT/scripts/setup_bench.sh" "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" \
-    "$ROOT"/requirements/*.txt | sha256sum | cut -d' ' -f1)"
+want="$(cat "$ROOT/scripts/setup_bench.sh" "$ROOT/scripts/setup.sh" "$ROOT/scripts/uv_install.sh" \
+    "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     echo "setup_bench: $VENV is up to date"
     exit 0
 fi
 
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# This machine's pip config lists local wheel stores that do not all exist; drop that noise.
-exec 2> >(grep --line-buffered -v "WARNING: Location 'file:" >&2)
-
+# shellcheck source=scripts/uv_install.sh
+source "$ROOT/scripts/uv_install.sh"
+uv_bootstrap
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 echo "$TORCH_PIN" > "$constraints"
 torch_before="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
-"${PIP[@]}" install -c "$constraints" -e "$ROOT[bench]"
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+uv_install -c "$constraints" -e "$ROOT[bench]"
+uv_uninstall torchvision torchaudio torchcodec
 
 "$VENV/bin/python" - "$torch_before" <<'PY'
 import sys
