@@ -5,9 +5,8 @@
 # Why uv and not pip: the same packages at the same versions (checked against pip's freeze of
 # setup.sh's install, 204 of 204 equal), setup.sh in 78 s with uv's cache cold and 65 s warm
 # (bytecode compiled in both, most of it), against 213 s with pip (2026-12-06, this 2-core
-# machine). pip here re-downloads everything on every run (its
-# HTTP cache stays empty behind the registry), and its downloads are serial; uv's are parallel
-# and its wheel cache lives on. `--index-strategy unsafe-best-match` is pip's own rule: the best
+# machine). pip here re-downloads everything on every run (its HTTP cache stays empty behind
+# the registry) and one file at a time; uv downloads in parallel and keeps its wheel cache. `--index-strategy unsafe-best-match` is pip's own rule: the best
 # version over every index, not the first index that has the package.
 #
 # Needs VENV set to a venv that exists. uv itself comes from pip (pinned), once per venv.
