@@ -6,10 +6,12 @@
 # setup.sh's install, 204 of 204 equal), setup.sh in 78 s with uv's cache cold and 65 s warm
 # (bytecode compiled in both, most of it), against 213 s with pip (2026-12-06, this 2-core
 # machine). pip here re-downloads everything on every run (its HTTP cache stays empty behind
-# the registry) and one file at a time; uv downloads in parallel and keeps its wheel cache. `--index-strategy unsafe-best-match` is pip's own rule: the best
-# version over every index, not the first index that has the package.
+# the registry) and one file at a time; uv downloads in parallel and keeps its wheel cache.
+# `--index-strategy unsafe-best-match` is pip's own rule: the best version over every index, not
+# the first index that has the package.
 #
-# Needs VENV set to a venv that exists. uv itself comes from pip (pinned), once per venv.
+# Needs VENV set to a venv that exists. `uv_bootstrap` first: it installs uv from pip (pinned,
+# once per venv) and reads pip's sources once for every `uv_install` after it.
 
 UV_VERSION="0.13.9"
 
@@ -18,6 +20,12 @@ uv_bootstrap() {
         "$VENV/bin/python" -m pip --disable-pip-version-check -q install "uv==$UV_VERSION" \
             2> >(grep --line-buffered -v "WARNING: Location 'file:" >&2)
     fi
+    mapfile -t UV_SOURCES < <(uv_sources)
+    local cert="${SSL_CERT_FILE:-${PIP_CERT:-}}"
+    [[ -n "$cert" ]] ||
+        cert="$("$VENV/bin/python" -m pip config get global.cert 2>/dev/null || true)"
+    UV_TLS=()
+    [[ -z "$cert" ]] || UV_TLS=("SSL_CERT_FILE=$cert")
 }
 
 # pip's configured sources (files and PIP_* variables, as `pip config list` shows them) as uv
@@ -30,11 +38,11 @@ uv_sources() {
         value="${line#*=}"
         value="${value#\'}"
         value="${value%\'}"
+        case "$key" in
+            find-links | extra-index-url | index-url | constraint) ;;
+            *) continue ;;
+        esac
         for item in $value; do
-            case "$key" in
-                find-links | extra-index-url | index-url | constraint) ;;
-                *) continue ;;
-            esac
             local path="${item#file://}"
             if [[ "$item" == /* || "$item" == file://* ]] && [[ ! -e "$path" ]]; then
                 continue
@@ -44,19 +52,14 @@ uv_sources() {
     done
 }
 
-# `uv pip install ARGS` into VENV from pip's sources; pip's CA bundle, when it names one, is
-# the one uv trusts too. Bytecode is compiled at install, as pip does: where
-# PYTHONDONTWRITEBYTECODE is set (it is on our CI machines) nothing would ever write it, and
+# `uv pip install ARGS` into VENV from pip's sources (read by uv_bootstrap); pip's CA bundle,
+# when it names one, is the one uv trusts too. Bytecode is compiled at install, as pip does:
+# where PYTHONDONTWRITEBYTECODE is set (it is on our CI machines) nothing would ever write it, and
 # every process would compile torch, transformers and ray from source at each start (a Ray
 # role then took 45-60 s to come up instead of seconds).
 uv_install() {
-    local -a sources tls=()
-    mapfile -t sources < <(uv_sources)
-    local cert="${SSL_CERT_FILE:-${PIP_CERT:-}}"
-    [[ -n "$cert" ]] || cert="$("$VENV/bin/python" -m pip config get global.cert 2>/dev/null || true)"
-    [[ -z "$cert" ]] || tls=("SSL_CERT_FILE=$cert")
-    env "${tls[@]}" "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" --compile-bytecode \
-        --index-strategy unsafe-best-match "${sources[@]}" "$@"
+    env "${UV_TLS[@]}" "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" \
+        --compile-bytecode --index-strategy unsafe-best-match "${UV_SOURCES[@]}" "$@"
 }
 
 uv_uninstall() {
