@@ -368,21 +368,23 @@ class BufferClient:
         it can) if a lease was lost (expired, or its shard restarted) or stayed unreachable."""
         return self._settle(batch, AckRequest)
 
-    def nack(self, batch: LeasedBatch) -> int:
-        """Return the leased trajectories to the front of their queues."""
-        return self._settle(batch, NackRequest)
+    def nack(self, batch: LeasedBatch, timeout_s: float | None = None) -> int:
+        """Return the leased trajectories to the front of their queues. `timeout_s` (default:
+        the client's) bounds the wait for shards that do not answer."""
+        return self._settle(batch, NackRequest, timeout_s)
 
-    def _settle(self, batch: LeasedBatch, kind) -> int:
+    def _settle(self, batch: LeasedBatch, kind, timeout_s: float | None = None) -> int:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         todo = list(batch.leases)
         count = 0
         errors: list[BaseException] = []
-        give_up = time.monotonic() + self.timeout_s
+        give_up = time.monotonic() + timeout_s
         while todo:
             calls = []
             for shard, lease_id in todo:
                 link = self.links[shard]
                 call = Call(
-                    kind(proto=PROTO_VERSION, id=link.next_id(), lease_id=lease_id), timeout_s=self.timeout_s
+                    kind(proto=PROTO_VERSION, id=link.next_id(), lease_id=lease_id), timeout_s=timeout_s
                 )
                 link.send(call)
                 calls.append(((shard, lease_id), call))

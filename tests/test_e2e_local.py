@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 from helpers import wait
-from helpers.run_state import port_is_free, role_pids, run_ports
+from helpers.run_state import alive, port_is_free, role_pids, run_ports
 from helpers.runs import learner_steps, sluice_run, start_run, wait_until
 
 from sluice.metrics import read_jsonl
@@ -122,3 +122,30 @@ def test_bad_config_gives_one_line_error_naming_the_key(tmp_path):
     assert "learner.loss.type" in line and "grpo" in line
     proc = sluice_run(tmp_path / "run", "learner.lerning_rate=1", timeout=60)
     assert proc.returncode == 2 and "learner.lerning_rate: unknown key" in proc.stderr
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_launcher_killed_by_sigkill_takes_every_role_with_it(tmp_path, process_reaper, start_method):
+    """No orphans even when the launcher gets no chance to stop anything: spawned roles get
+    their parent-death signal, and forked ones (launch/forkserver.py) get it once the fork
+    server ends with the launcher. Every role stops at once, shards included, so the learner's
+    last NACKs may find no shard: it waits for them briefly (learner/source.py)."""
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "learner.total_steps=100000", f"run.start_method={start_method}")
+    process_reaper.append(proc)
+    wait_until(lambda: learner_steps(run_dir) >= 3 and len(role_pids(run_dir)) == 4, proc, "3 learner steps")
+    pids = role_pids(run_dir)
+    # a forked role names itself as the spawned command does (ps, top, pkill -f)
+    cmdline = " ".join(psutil.Process(pids["rollout-1"]).cmdline())
+    assert "-m sluice.cli rollout --index 1" in cmdline, cmdline
+    assert os.getsid(pids["rollout-1"]) == pids["rollout-1"]  # a session of its own, as a spawned role
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+    def survivors() -> list[str]:
+        return [name for name, pid in pids.items() if alive(pid)]
+
+    # a learner stopping with its shards gone waits for its last ACKs up to the buffer client's
+    # 30 s timeout (their leases are settled when a learner resumes: learner/leases.py)
+    wait.wait_until(lambda: not survivors(), 60, lambda: f"every role gone (alive: {survivors()})")
+    wait.wait_until(lambda: all(port_is_free(p) for p in run_ports(run_dir)), 10, "the run's ports free")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -36,6 +37,13 @@ class RunSection(Section):
     where the learner's threads take every core, nothing is pinned but the others still yield
     (docs/architecture.md, "Cores and threads"). Other launchers leave placement to their
     scheduler."""
+    start_method: Literal["auto", "forkserver", "spawn"] = "auto"
+    """How `sluice run` starts the learner ranks and rollout services. forkserver: each is a fork
+    of a server that imported torch and transformers once, so a role starts (and restarts) in
+    about a second instead of paying ~5 s of CPU for its imports; spawn: a fresh
+    `python -m sluice.cli <role>` each. auto: forkserver on Linux with a CPU-only torch build,
+    else spawn. Buffer shards and vLLM engines' services are always spawned
+    (sluice/launch/forkserver.py)."""
 
 
 class MetricsConfig(Section):

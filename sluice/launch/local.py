@@ -1,8 +1,9 @@
 """`sluice run CONFIG`: every role of a run as separate processes on this machine.
 
-The launcher resolves what the config leaves open (run directory, free ports), builds the
-model directory once, writes `<run dir>/config.yaml`, and starts buffer shards, the learner
-and the rollout services with `python -m sluice.cli <role> <run dir>/config.yaml`. Each child
+The launcher resolves what the config leaves open (run directory, free ports), writes
+`<run dir>/config.yaml`, and starts buffer shards, the learner
+and the rollout services with `python -m sluice.cli <role> <run dir>/config.yaml` (spawned, or
+forked from a server that imported torch and transformers once: launch/forkserver.py). Each child
 runs in its own session (a terminal Ctrl-C reaches only the launcher, which then stops the
 children in order) and gets SIGTERM if the launcher dies. The run ends when the learner
 exits: 0 means done. A rollout service that dies (killed, crashed) is started again with the
@@ -33,6 +34,7 @@ from sluice.config.learner import GroupPorts
 from sluice.config.loader import ENV_PREFIX, dump_config
 from sluice.config.run import RunConfig
 from sluice.launch.departed import leave_for_dead
+from sluice.launch.forkserver import RoleForker, RoleProcess, forked
 from sluice.launch.plan import RoleSpec, learner_restartable, plan_roles, what_next
 from sluice.launch.progress import training_progress
 from sluice.launch.role import EXIT_FAILED, EXIT_OK, restartable
@@ -51,7 +53,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class Child:
     spec: RoleSpec  # what it runs (sluice/launch/plan.py)
-    proc: subprocess.Popen
+    proc: RoleProcess  # subprocess.Popen, or a fork of the role server (launch/forkserver.py)
     log_path: Path
     restarts: int = 0  # times this role was started again after dying
 
@@ -145,6 +147,7 @@ class LocalLauncher:
         self.learner_restarts: dict[str, int] = {}  # policy -> times its group was restarted
         self.stop = threading.Event()
         self.pinning = plan_cores(self.cfg, plan_roles(self.cfg), core_ids())  # role name -> env
+        self.forker = RoleForker()
 
     def prepare(self) -> Path:
         """The run directory and its resolved config. The model directory is not built here:
@@ -164,15 +167,19 @@ class LocalLauncher:
         env.update(SLUICE_DIE_WITH_PARENT="1", PYTHONUNBUFFERED="1", **spec.env)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(self.pinning.get(spec.name, {}))
-        with log_path.open("ab") as log_fh:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "sluice.cli", *spec.args, str(config_path), *(overrides or [])],
-                stdout=log_fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+        args = [*spec.args, str(config_path), *(overrides or [])]
+        if forked(self.cfg, spec):
+            proc: RoleProcess = self.forker.start(args, env, log_path)
+        else:
+            with log_path.open("ab") as log_fh:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "sluice.cli", *args],
+                    stdout=log_fh,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                )
         child = Child(spec, proc, log_path)
         self.children.append(child)
         return child
@@ -325,6 +332,7 @@ class LocalLauncher:
             code = self.supervise()
         finally:
             self.shutdown()
+            self.forker.close()
             self.ports.close()
         from sluice.plots import write_run_plots  # matplotlib: only once the run is over
 
@@ -336,7 +344,7 @@ class LocalLauncher:
         return code
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: RoleProcess, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):

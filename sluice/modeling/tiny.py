@@ -6,9 +6,12 @@ architecture, tokenizer and initial weights; vLLM serves the same directory.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,6 +62,20 @@ def _token_id(value: object, name: str) -> int:
     return value
 
 
+@contextmanager
+def _one_builder(run_dir: Path) -> Iterator[None]:
+    """One role builds the model directory while the others wait for it (a build costs ~0.7 s
+    of CPU, most of it the imports `save_pretrained` brings in). The build's rename still keeps
+    a half-written copy from being seen where the lock is not shared (a file system without
+    flock: then every role builds, and one copy wins)."""
+    with (run_dir / ".model.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+
+
 def materialize_model_dir(cfg: ModelConfig, run_dir: Path) -> Path:
     """The model directory every role loads: `cfg.path`, or `<run_dir>/model` built from
     `cfg.init` (atomically, so concurrent roles starting at once agree on one copy)."""
@@ -71,15 +88,18 @@ def materialize_model_dir(cfg: ModelConfig, run_dir: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=run_dir))
-    model, tokenizer = build_tiny_model(cfg.init)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        # Another role won the race; its copy is identical (same seed, same vocabulary).
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _one_builder(run_dir):
+        if (target / "config.json").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=".model-", dir=run_dir))
+        model, tokenizer = build_tiny_model(cfg.init)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another role won the race; its copy is identical (same seed, same vocabulary).
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
