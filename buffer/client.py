@@ -142,6 +142,7 @@ class BufferClient:
         ]
         self._closed = False
         self.timeout_s = timeout_s
+        self.should_abort = should_abort
         self.max_batch = max_batch
         self.holder = holder or Holder.anonymous()  # named on every GET (see buffer/holder.py)
         self.rng = np.random.default_rng(seed)
@@ -368,23 +369,21 @@ class BufferClient:
         it can) if a lease was lost (expired, or its shard restarted) or stayed unreachable."""
         return self._settle(batch, AckRequest)
 
-    def nack(self, batch: LeasedBatch, timeout_s: float | None = None) -> int:
-        """Return the leased trajectories to the front of their queues. `timeout_s` (default:
-        the client's) bounds the wait for shards that do not answer."""
-        return self._settle(batch, NackRequest, timeout_s)
+    def nack(self, batch: LeasedBatch) -> int:
+        """Return the leased trajectories to the front of their queues."""
+        return self._settle(batch, NackRequest)
 
-    def _settle(self, batch: LeasedBatch, kind, timeout_s: float | None = None) -> int:
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+    def _settle(self, batch: LeasedBatch, kind) -> int:
         todo = list(batch.leases)
         count = 0
         errors: list[BaseException] = []
-        give_up = time.monotonic() + timeout_s
+        give_up = time.monotonic() + self.timeout_s
         while todo:
             calls = []
             for shard, lease_id in todo:
                 link = self.links[shard]
                 call = Call(
-                    kind(proto=PROTO_VERSION, id=link.next_id(), lease_id=lease_id), timeout_s=timeout_s
+                    kind(proto=PROTO_VERSION, id=link.next_id(), lease_id=lease_id), timeout_s=self.timeout_s
                 )
                 link.send(call)
                 calls.append(((shard, lease_id), call))
@@ -400,13 +399,25 @@ class BufferClient:
             todo = [lease for lease, _ in retry]
             if todo:
                 wait_s = max(0.01, min(self.links[s].retry_at for s, _ in todo) - time.monotonic())
-                if time.monotonic() + wait_s > give_up:
+                if time.monotonic() + wait_s > give_up or self._aborted_while(wait_s):
                     errors.extend(ShardUnavailable(f"{kind.__name__} gave up: {e}") for _, e in retry)
                     break
-                time.sleep(wait_s)
         if errors:
             raise errors[0]
         return count
+
+    def _aborted_while(self, wait_s: float) -> bool:
+        """Sleep `wait_s` before a retry unless `should_abort` turns true (checked every 50 ms);
+        whether it did. A role that stops does not wait out the client's timeout for a shard
+        that is gone: a lease that shard never hears of comes back when it expires (a learner
+        whose launcher was killed by SIGKILL waited 30 s for its last ACKs, its shards gone)."""
+        end = time.monotonic() + wait_s
+        while not self.should_abort():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(left, 0.05))
+        return True
 
     # -- consumer side: replay -----------------------------------------------------------------
 

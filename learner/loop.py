@@ -117,12 +117,16 @@ class Learner:
     def _init_main(self, state: dict, resumed: bool) -> None:
         cfg, lc = self.cfg, self.cfg.learner
         client_ctx = secure_context(cfg.security, "client")  # None: plain sockets
-        self.buffer = BufferClient(cfg.buffer.all_endpoints(), ctx=client_ctx)
+        # stopping, an ACK or NACK gives up on a shard that does not answer instead of retrying
+        # for the client's 30 s (its leases come back when they expire; resume settles them)
+        self.buffer = BufferClient(cfg.buffer.all_endpoints(), ctx=client_ctx, should_abort=self.stop.is_set)
         self.ledger = LeaseLedger.from_state(state.get("leases", {}))
         if resumed:
             self._settle_resumed(state)
         endpoints = cfg.buffer.all_endpoints()
-        self.acks = BackgroundAcks(self.ledger, lambda: BufferClient(endpoints, ctx=client_ctx))
+        self.acks = BackgroundAcks(
+            self.ledger, lambda: BufferClient(endpoints, ctx=client_ctx, should_abort=self.stop.is_set)
+        )
         admission = AdmissionPolicy(lc.batch_size, lc.max_staleness, started=self._admitted_already())
         self.control = ControlServer(
             cfg.control.bind_endpoint,

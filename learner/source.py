@@ -26,7 +26,6 @@ Rules:
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -36,11 +35,8 @@ import zmq
 
 from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.buffer.holder import Holder
-from sluice.buffer.placement import ShardUnavailable
 from sluice.config.learner import LearnerConfig
 from sluice.trajectory import Trajectory
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,27 +74,13 @@ class _Assembly:
     newer: int = 0  # the others: a lost lineage's, their quota released
 
 
-# A learner that is stopping waits this long for its NACKs, not the client's timeout: a lease
-# a shard never hears of comes back when it expires anyway, and when every role is stopped at
-# once (the launcher killed by SIGKILL) the shards may be gone already. Waiting the client's
-# 30 s kept such a learner alive that long after everything else.
-STOPPING_NACK_S = 2.0
-
-
-def give_back(client: BufferClient, leased: LeasedBatch, stopping: bool = False) -> None:
+def give_back(client: BufferClient, leased: LeasedBatch) -> None:
     """NACK a batch not trained on. A lease already gone (its shard restarted, or it expired)
-    needs nothing: its groups are queued again anyway. `stopping`: wait STOPPING_NACK_S at
-    most, and leave what no shard answered to the leases' timeout."""
+    needs nothing: its groups are queued again anyway."""
     if not leased.leases:
         return
     try:
-        client.nack(leased, STOPPING_NACK_S if stopping else None)
-    except ShardUnavailable as e:
-        if not stopping:
-            raise
-        log.warning(
-            "stopping: %d leases not given back (%s); they return when they expire", len(leased.leases), e
-        )
+        client.nack(leased)
     except BufferError as e:
         if e.code != "UNKNOWN_LEASE":
             raise
@@ -141,7 +123,7 @@ class BatchSource:
             self._thread = threading.Thread(target=self._run, name="batch-prefetch", daemon=True)
             self._thread.start()
         else:
-            self._client = BufferClient(endpoints, ctx=ctx, holder=holder)
+            self._client = BufferClient(endpoints, ctx=ctx, holder=holder, should_abort=stop.is_set)
 
     def request(self, version: int) -> None:
         with self._cond:
@@ -186,7 +168,7 @@ class BatchSource:
         gets = 0
         while batch.usable < lc.batch_size:
             if self._stopping():
-                self._give_back(client, batch.leased, batch.newer, stopping=True)
+                self._give_back(client, batch.leased, batch.newer)
                 return None
             if batch.leased.leases and time.monotonic() - batch.leased_at > self.lease_timeout_s / 2:
                 batch = self._start_over(client, batch)  # too old to keep waiting on
@@ -218,12 +200,10 @@ class BatchSource:
         batch.usable += len(part.trajs) - newer
         batch.newer += newer
 
-    def _give_back(
-        self, client: BufferClient, leased: LeasedBatch, newer: int, stopping: bool = False
-    ) -> None:
+    def _give_back(self, client: BufferClient, leased: LeasedBatch, newer: int) -> None:
         """NACK a batch not trained on; its lost lineage's quota is charged again (queued
         again, those trajectories release it once more when a GET brings them back)."""
-        give_back(client, leased, stopping)
+        give_back(client, leased)
         if newer:
             self.on_returned(newer)
 
@@ -235,7 +215,7 @@ class BatchSource:
         return _Assembly(LeasedBatch(dropped_stale=batch.leased.dropped_stale))
 
     def _run(self) -> None:
-        client = BufferClient(self.endpoints, ctx=self.ctx, holder=self.holder)
+        client = BufferClient(self.endpoints, ctx=self.ctx, holder=self.holder, should_abort=self.stop.is_set)
         try:
             while True:
                 with self._cond:
@@ -249,13 +229,13 @@ class BatchSource:
                 fetched = self._fetch(client, version)
                 with self._cond:
                     if fetched is not None and self._closing:
-                        self._give_back(client, fetched.leased, fetched.lost_lineage, stopping=True)
+                        self._give_back(client, fetched.leased, fetched.lost_lineage)
                         break
                     self._ready = fetched
                     self._cond.notify_all()
             with self._cond:
                 if self._ready is not None:  # fetched, never taken: give it back
-                    self._give_back(client, self._ready.leased, self._ready.lost_lineage, stopping=True)
+                    self._give_back(client, self._ready.leased, self._ready.lost_lineage)
                     self._ready = None
         except BaseException as e:  # noqa: BLE001 - re-raised by take() in the learner thread
             with self._cond:

@@ -105,6 +105,27 @@ def test_a_put_that_may_have_arrived_stays_pinned_and_gives_up(shard_factory, zm
     assert puts >= 1  # the PUTs went to the hole (and never to the good shard)
 
 
+def test_an_ack_to_a_shard_that_is_gone_gives_up_once_its_role_stops(shard_factory):
+    """A stopping learner does not retry its ACKs for the client's whole timeout (30 s here)
+    when the shard is gone: `should_abort` ends the retries (the lease comes back when it
+    expires; a resumed learner settles it). Without it, the ACK would retry for 30 s."""
+    shard = shard_factory()
+    stop = threading.Event()
+    with BufferClient([shard.endpoint], timeout_s=30, should_abort=stop.is_set) as client:
+        client.put(group("g0"))
+        batch = client.get(4)
+        shard.close()
+        wait_until(lambda: seen_down(client.links[0]), 10, "the client did not see the shard go down")
+        timer = threading.Timer(0.5, stop.set)
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(ShardUnavailable, match="gave up"):
+            client.ack(batch)
+        timer.join()
+        assert time.monotonic() - started < 15  # well before the client's 30 s
+        assert stop.is_set()
+
+
 def test_put_waits_for_a_shard_that_starts_late(shard_factory):
     shard = shard_factory()
     shard.close()  # not up yet when the producer starts
