@@ -117,8 +117,8 @@ class Learner:
     def _init_main(self, state: dict, resumed: bool) -> None:
         cfg, lc = self.cfg, self.cfg.learner
         client_ctx = secure_context(cfg.security, "client")  # None: plain sockets
-        # stopping, an ACK or NACK gives up on a shard that does not answer instead of retrying
-        # for the client's 30 s (its leases come back when they expire; resume settles them)
+        # once the learner is stopping, an ACK or NACK stops retrying a shard that does not
+        # answer (its leases come back when they expire; a resumed learner settles them)
         self.buffer = BufferClient(cfg.buffer.all_endpoints(), ctx=client_ctx, should_abort=self.stop.is_set)
         self.ledger = LeaseLedger.from_state(state.get("leases", {}))
         if resumed:

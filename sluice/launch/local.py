@@ -1,16 +1,16 @@
 """`sluice run CONFIG`: every role of a run as separate processes on this machine.
 
 The launcher resolves what the config leaves open (run directory, free ports), writes
-`<run dir>/config.yaml`, and starts buffer shards, the learner
-and the rollout services with `python -m sluice.cli <role> <run dir>/config.yaml` (spawned, or
-forked from a server that imported torch and transformers once: launch/forkserver.py). Each child
-runs in its own session (a terminal Ctrl-C reaches only the launcher, which then stops the
-children in order) and gets SIGTERM if the launcher dies. The run ends when the learner
-exits: 0 means done. A rollout service that dies (killed, crashed) is started again with the
-same index, up to `rollout.max_restarts` times, and joins the running system as a new member;
-so is a durable buffer shard (`buffer.max_restarts`, from its log, on the same port); a learner
-group restarts from its checkpoint; any other role that dies unexpectedly fails the run loudly
-with its log tail.
+`<run dir>/config.yaml`, and starts buffer shards, the learner and the rollout services with
+`python -m sluice.cli <role> <run dir>/config.yaml` (spawned, or forked from a server that
+imported torch and transformers once: launch/forkserver.py). Each child runs in its own session
+(a terminal Ctrl-C reaches only the launcher, which then stops the children in order) and gets
+SIGTERM if the launcher dies. The run ends when the learner exits: 0 means done. A rollout
+service that dies (killed, crashed) is started again with the same index, up to
+`rollout.max_restarts` times, and joins the running system as a new member; so is a durable
+buffer shard (`buffer.max_restarts`, from its log, on the same port); a learner group restarts
+from its checkpoint; any other role that dies unexpectedly fails the run loudly with its log
+tail.
 """
 
 from __future__ import annotations
