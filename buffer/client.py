@@ -17,7 +17,7 @@ import numpy as np
 import zmq
 
 from sluice.buffer.holder import Holder
-from sluice.buffer.link import Backoff, Call, Lost, NotSent, ShardLink, wait_all
+from sluice.buffer.link import Backoff, Call, Lost, NotSent, ShardLink, wait_all, wait_out
 from sluice.buffer.placement import Placement, ShardUnavailable, fallback_order, shard_of
 from sluice.buffer.puts import PutAborted, PutBatcher, PutPipeline, PutSender, PutSettings
 from sluice.buffer.same_host_client import reply_trajectories
@@ -399,25 +399,15 @@ class BufferClient:
             todo = [lease for lease, _ in retry]
             if todo:
                 wait_s = max(0.01, min(self.links[s].retry_at for s, _ in todo) - time.monotonic())
-                if time.monotonic() + wait_s > give_up or self._aborted_while(wait_s):
+                # a role that stops gives up here rather than wait out the timeout for a shard
+                # that is gone: a lease that shard never hears of comes back when it expires (a
+                # learner whose launcher was killed by SIGKILL waited 30 s for its last ACKs)
+                if time.monotonic() + wait_s > give_up or wait_out(wait_s, self.should_abort):
                     errors.extend(ShardUnavailable(f"{kind.__name__} gave up: {e}") for _, e in retry)
                     break
         if errors:
             raise errors[0]
         return count
-
-    def _aborted_while(self, wait_s: float) -> bool:
-        """Sleep `wait_s` before a retry unless `should_abort` turns true (checked every 50 ms);
-        whether it did. A role that stops does not wait out the client's timeout for a shard
-        that is gone: a lease that shard never hears of comes back when it expires (a learner
-        whose launcher was killed by SIGKILL waited 30 s for its last ACKs, its shards gone)."""
-        end = time.monotonic() + wait_s
-        while not self.should_abort():
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(left, 0.05))
-        return True
 
     # -- consumer side: replay -----------------------------------------------------------------
 

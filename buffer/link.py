@@ -66,6 +66,18 @@ class Backoff:
         return base * random.uniform(0.5, 1.0)
 
 
+def wait_out(wait_s: float, should_abort: Callable[[], bool]) -> bool:
+    """Sleep `wait_s` before a retry, looking at `should_abort` every 50 ms; True when it
+    turned true first (the caller gives up instead of retrying: a role that stops)."""
+    end = time.monotonic() + wait_s
+    while not should_abort():
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(left, 0.05))
+    return True
+
+
 @dataclass(eq=False)
 class Call:
     """One request and, once done, its outcome: `reply` + `frames`, or `error`

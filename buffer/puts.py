@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from sluice.buffer.link import Call, Lost, NotSent, ShardLink, wait_all
+from sluice.buffer.link import Call, Lost, NotSent, ShardLink, wait_all, wait_out
 from sluice.buffer.placement import OutGroup, Placement, ShardUnavailable
 from sluice.buffer.same_host_client import SameHostPuts, Sent, refused_region
 from sluice.rpc import RpcError
@@ -178,14 +178,8 @@ class PutSender:
                 raise error
             waited = self.settings.put_give_up_s
             raise ShardUnavailable(f"PUT gave up after {waited:.1f}s: {error}") from error
-        end = time.monotonic() + wait_s
-        while True:
-            if self.settings.should_abort():
-                raise PutAborted("PUT abandoned on request")
-            left = end - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(left, 0.05))
+        if wait_out(wait_s, self.settings.should_abort):
+            raise PutAborted("PUT abandoned on request")
         if _is_full(error):
             self.backpressure_s += wait_s
 
