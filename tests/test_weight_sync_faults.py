@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 from helpers.wait import wait_until
-from helpers.weight_sync_env import SyncEnv, model_digest, perturb, small_cfg
+from helpers.weight_sync_env import ProbeProcess, SyncEnv, model_digest, perturb, small_cfg
 
-from sluice.weight_sync.announcements import HEAD_KEY, ann_key
+from sluice.control.client import ControlClient
+from sluice.weight_sync.announcements import HEAD_KEY, ann_key, epoch_key
 from sluice.weight_sync.broadcaster import WeightBroadcaster
 
 pytestmark = pytest.mark.slow
@@ -224,3 +225,56 @@ def test_receiver_killed_between_publishes_is_not_waited_for_when_the_next_epoch
         if p is not victim:
             assert p.wait_version(2)["digest"] == model_digest(model)
     assert victim.service_id not in env.broadcaster.membership.status().members
+
+
+class KillsAMemberAfterItConfirmed(WeightBroadcaster):
+    """Kills `victim` right after it confirmed an epoch (so the epoch commits it), and reports it
+    dead the way a launcher does (LEAVE by pid) once the group is connecting: a member that died
+    between confirming and connecting, which the group's connect alone waits for until its
+    timeout."""
+
+    victim: ProbeProcess | None = None
+    launcher_control = ""  # where the "launcher" sends its LEAVE
+
+    def _await_ready(self, epoch, candidates):
+        ready = super()._await_ready(epoch, candidates)
+        victim, self.victim = self.victim, None
+        if victim is not None and victim.service_id in ready:
+            victim.kill(signal.SIGKILL)
+            victim.proc.wait(timeout=10)
+            threading.Thread(target=self._leave_once_connecting, args=(epoch, victim), daemon=True).start()
+        return ready
+
+    def _leave_once_connecting(self, epoch: int, victim: ProbeProcess) -> None:
+        store = self.store
+        assert store is not None
+        commit = epoch_key(epoch, "commit")
+        wait_until(lambda: store.check([commit]), 10, "the epoch committed", interval_s=0.001)
+        client = ControlClient(self.launcher_control, timeout_s=5)
+        try:
+            assert client.leave(victim.service_id, pid=victim.proc.pid).removed
+        finally:
+            client.close()
+
+
+def test_a_member_that_dies_while_the_group_connects_is_not_waited_for(env_factory, tmp_path):
+    """The kill lands between a member's confirmation and its connect (as a kill -9 of a rollout
+    while the learner forms the epoch that adds another): the launcher's LEAVE for the dead
+    process ends the learner's connect at once and the abort key ends the survivors'; the same
+    publish forms the next epoch without it and reaches them, well before the connect timeout."""
+    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=40, liveness_timeout_s=2)
+    env = env_factory(cfg, broadcaster_cls=KillsAMemberAfterItConfirmed)
+    model = big_model()
+    probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
+    env.wait_members(3)
+    env.broadcaster.victim, env.broadcaster.launcher_control = probes[1], env.control_endpoint
+    t0 = time.monotonic()
+    stats = env.broadcaster.publish(1, model)
+    elapsed = time.monotonic() - t0
+    assert elapsed < cfg.ready_timeout_s / 4, f"waited {elapsed:.1f}s for the dead member's connect"
+    assert stats.delivered and stats.members == 2
+    for p in (probes[0], probes[2]):
+        assert p.wait_version(1)["digest"] == model_digest(model)
+    assert probes[1].service_id not in env.broadcaster.membership.status().members
+    perturb(model)
+    assert env.broadcaster.publish(2, model).members == 2  # the new epoch's group works on

@@ -39,7 +39,9 @@ from sluice.weight_sync.buffers import BufferPool
 from sluice.weight_sync.checksums import WIRE_CHECKSUMS, XXH3, piece_wsum
 from sluice.weight_sync.group import (
     BroadcastGroup,
+    CollectiveAborted,
     CollectiveError,
+    FormationAbandoned,
     TCPStore,
     epoch_backend,
     make_group,
@@ -65,6 +67,8 @@ from sluice.weight_sync.source import ParamSource, source_for
 from sluice.weight_sync.transfer_server import SnapshotServer
 
 log = logging.getLogger(__name__)
+
+_FORM_TRIES = 3  # epochs formed in a row while members leave during the connect
 
 
 class MembershipHost(Protocol):
@@ -583,6 +587,15 @@ class WeightBroadcaster:
                 self._broken = True
 
     def _form_epoch(self) -> None:
+        """Form the next epoch's group. A member that leaves while the group connects (its
+        LEAVE, or its launcher's for its dead process) ends that connect at once, and the next
+        epoch forms without it, a few times at most."""
+        for _ in range(_FORM_TRIES):
+            if self._try_form_epoch():
+                return
+
+    def _try_form_epoch(self) -> bool:
+        """False when a member left while the group connected (the epoch is abandoned)."""
         self._drop_group()
         self._broken = False
         self._force_full = True
@@ -607,7 +620,7 @@ class WeightBroadcaster:
             )
         if not committed:
             log.info("weight sync: epoch %d has no members", epoch)
-            return
+            return True
         try:
             self.group = make_group(
                 backend,
@@ -618,11 +631,17 @@ class WeightBroadcaster:
                 prefix=epoch_key(epoch, "pg", ""),
                 connect_timeout_s=self.cfg.ready_timeout_s,
                 op_timeout_s=self.cfg.publish_timeout_s,
+                should_abort=lambda: not all(self.membership.holds(c) for c in committed),
             )
+        except FormationAbandoned:
+            gone = [c.service_id for c in committed if not self.membership.holds(c)]
+            self._abandon_epoch(CollectiveAborted(f"{gone} left while the group connected"))
+            return False
         except CollectiveError as e:
             self._abandon_epoch(e)
-            return
+            return True
         log.info("weight sync: epoch %d formed with %s over %s", epoch, ids, backend)
+        return True
 
     def _begin_epoch(self) -> tuple[int, int, list[Candidate]]:
         """The next epoch's announcement seq, number and candidates: every registered service

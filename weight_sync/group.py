@@ -8,7 +8,9 @@ three.
 
 Failure rules:
 - The group is built with the (short) ready timeout, so a member that died between confirming
-  and connecting costs at most that long; its collectives then use the publish timeout.
+  and connecting costs at most that long, and less where the caller knows it is gone
+  (`make_group(should_abort=...)`: the learner when a member LEAVEs, a receiver when the learner
+  abandons the epoch); its collectives then use the publish timeout.
 - Collectives are asynchronous (`broadcast_async` returns the work). `wait_work` waits on the
   work's future, never forever: it gives up at a deadline, or at once when `should_abort` says
   so (the learner abandoned the epoch, or the receiver is stopping). A gloo op whose peer died
@@ -166,18 +168,81 @@ def make_group(
     prefix: str,
     connect_timeout_s: float,
     op_timeout_s: float,
+    should_abort: Callable[[], bool] | None = None,
 ) -> BroadcastGroup:
     """Join epoch `epoch`'s group (blocks until all world_size ranks have joined, or raises
-    CollectiveError after `connect_timeout_s`)."""
+    CollectiveError after `connect_timeout_s`). With `should_abort`, the connect runs in a
+    thread and this gives up as soon as it says so (a member left, the epoch was abandoned):
+    raises FormationAbandoned, whose `thread` the caller joins before it exits."""
     connect = datetime.timedelta(seconds=connect_timeout_s)
-    scoped = PrefixStore(prefix, store)
     try:
-        pg = _new_process_group(backend, scoped, rank, world_size, connect)
+        if should_abort is None:
+            pg = _new_process_group(backend, PrefixStore(prefix, store), rank, world_size, connect)
+        else:  # its own connection: a connect waiting on a key holds the client's lock meanwhile
+            scoped = PrefixStore(prefix, _own_connection(store))
+            pg = _AbortableConnect(backend, scoped, rank, world_size, connect).result(should_abort, epoch)
+    except FormationAbandoned:
+        raise
     except (RuntimeError, dist.DistError) as e:
         raise CollectiveError(f"epoch {epoch}: group of {world_size} did not form: {e}") from e
     if hasattr(pg, "_set_default_timeout"):
         pg._set_default_timeout(datetime.timedelta(seconds=op_timeout_s))
     return BroadcastGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, epoch=epoch)
+
+
+def _own_connection(store: Store) -> Store:
+    """A new client connection to the same store (c10d's `Store.clone`, which torch's stubs
+    (2.13) do not list)."""
+    return store.clone()  # pyright: ignore[reportAttributeAccessIssue]
+
+
+class FormationAbandoned(CollectiveAborted):
+    """A group's connect given up on. Its thread still waits in the backend's constructor (which
+    cannot be interrupted) until the connect timeout or until the store goes, and holds no group:
+    a connect that never completes builds none, and one that completes after all is dropped there.
+    No join at exit: no group can be torn down during the interpreter's."""
+
+
+class _AbortableConnect:
+    """One backend constructor in a daemon thread, and a wait on it that can be abandoned.
+    A gloo or NCCL connect blocks until every rank has connected: a member that died after
+    confirming would otherwise hold every other rank for the whole connect timeout."""
+
+    def __init__(self, backend: str, store: Store, rank: int, world_size: int, timeout: datetime.timedelta):
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._abandoned = False
+        self._box: list = []  # the group, or the constructor's exception
+        args = (backend, store, rank, world_size, timeout)
+        threading.Thread(target=self._connect, args=args, name="weight-sync-connect", daemon=True).start()
+
+    def _connect(self, *args) -> None:
+        try:
+            outcome = _new_process_group(*args)
+        except (RuntimeError, dist.DistError) as e:
+            outcome = e
+        with self._lock:
+            self._done.set()
+            orphan = self._abandoned
+            if not orphan:
+                self._box.append(outcome)
+        if orphan and not isinstance(outcome, BaseException) and args[0] in ("nccl", "hccl"):
+            try:
+                outcome.abort()
+            except RuntimeError:
+                pass  # already torn down by its watchdog
+
+    def result(self, should_abort: Callable[[], bool], epoch: int, poll_s: float = 0.01) -> Collectives:
+        while not self._done.wait(poll_s):
+            if should_abort():
+                with self._lock:
+                    if not self._done.is_set():
+                        self._abandoned = True
+                        raise FormationAbandoned(f"epoch {epoch}: gave up forming the group")
+        outcome = self._box[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
 
 def _new_process_group(

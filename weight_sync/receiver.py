@@ -43,6 +43,7 @@ from sluice.weight_sync.group import (
     BroadcastGroup,
     CollectiveAborted,
     CollectiveError,
+    FormationAbandoned,
     TCPStore,
     make_group,
     open_store,
@@ -343,7 +344,11 @@ class WeightReceiver:
                 prefix=epoch_key(ann.epoch, "pg", ""),
                 connect_timeout_s=self.cfg.ready_timeout_s,
                 op_timeout_s=self.cfg.publish_timeout_s,
+                should_abort=self._abandoned(ann.epoch, rank),
             )
+        except FormationAbandoned as e:  # the learner gave the epoch up (a member left) or we stop
+            log.info("weight receiver: %s", e)
+            return
         except CollectiveError as e:
             self.failures += 1
             log.warning("weight receiver: %s", e)
