@@ -577,13 +577,14 @@ class BufferClient:
         return all(c.error is None for c in calls)
 
     def _ask_every_shard(self, make_header: Callable[[ShardLink], Request], timeout_s: float) -> list[Call]:
-        """One request per shard, resent to shards that were down or lost it, until `timeout_s`."""
+        """One request per shard, resent to shards that were down or lost it, until `timeout_s`
+        or until `should_abort` (calls still open then end Abandoned; unsent ones stay NotSent)."""
         deadline = time.monotonic() + timeout_s
         calls: list[Call | None] = [None] * self.n_shards
         while True:
             todo = [k for k, c in enumerate(calls) if c is None or isinstance(c.error, (NotSent, Lost))]
             left = deadline - time.monotonic()
-            if not todo or left <= 0:
+            if not todo or left <= 0 or (None not in calls and self.should_abort()):
                 asked = [c for c in calls if c is not None]
                 if len(asked) < len(calls):
                     raise ValueError(f"timeout_s={timeout_s}: no time left to ask the shards")
@@ -593,9 +594,10 @@ class BufferClient:
                     call = calls[k] = Call(make_header(self.links[k]), timeout_s=max(0.01, left))
                     self.links[k].send(call)
             sent = [c for k in todo if (c := calls[k]) is not None]  # every one of them, now
-            wait_all(sent, self.links)
+            wait_all(sent, self.links, should_abort=self.should_abort)
             if any(isinstance(c.error, (NotSent, Lost)) for c in sent):
-                time.sleep(min(max(0.0, deadline - time.monotonic()), self._placement.time_to_next_probe()))
+                next_try = min(max(0.0, deadline - time.monotonic()), self._placement.time_to_next_probe())
+                wait_out(next_try, self.should_abort)
 
     def close(self) -> None:
         if self._closed:

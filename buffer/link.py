@@ -56,6 +56,10 @@ class Lost(RpcTimeout):
     """The request was sent, but no reply came (timeout or disconnect): it may have been applied."""
 
 
+class Abandoned(Lost):
+    """The caller stopped waiting for the reply (it is stopping): it may have been applied."""
+
+
 @dataclass
 class Backoff:
     initial_s: float = 0.05
@@ -297,6 +301,13 @@ class ShardLink:
             if call is self._hello:
                 self._on_hello(call)  # (an error reply, e.g. from an older shard: ZeroMQ only)
 
+    def abandon(self, call: Call) -> None:
+        """Stop waiting for `call`'s reply (its caller is stopping); a late reply is dropped."""
+        self.pending.pop(call.header.id, None)
+        if call is self._hello:
+            self._hello = None
+        call.finish(error=Abandoned(f"{self.name}: {type(call.header).__name__} abandoned: stopping"))
+
     def expire(self, now: float) -> None:
         """Fail requests past their deadline; the shard is presumed stuck: reset the socket."""
         late = [c for c in self.pending.values() if c.deadline <= now]
@@ -316,10 +327,14 @@ class ShardLink:
 
 
 def wait_all(
-    calls: list[Call], links: Sequence[ShardLink], on_done: Callable[[Call], list[Call]] | None = None
+    calls: list[Call],
+    links: Sequence[ShardLink],
+    on_done: Callable[[Call], list[Call]] | None = None,
+    should_abort: Callable[[], bool] | None = None,
 ) -> None:
     """Wait until every call is finished (reply, error, or its deadline). `on_done` sees each
-    call as it finishes and may return new calls (already sent) to wait for as well."""
+    call as it finishes and may return new calls (already sent) to wait for as well. Once
+    `should_abort` says so (looked at every <= 100 ms), the calls still open finish as Abandoned."""
     calls = list(calls)
     seen: set[int] = set()
 
@@ -352,3 +367,7 @@ def wait_all(
             if link.sock in ready:
                 link.on_readable()
         notify()
+        if should_abort is not None and should_abort():  # (after taking the replies that came)
+            for call in [c for c in calls if not c.done]:
+                call.sent_on().abandon(call)
+            break

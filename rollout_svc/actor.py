@@ -366,8 +366,11 @@ class ActorLoop:
     def _heartbeat_loop(self) -> None:
         """Liveness for each policy's control plane, independent of how long a batch takes."""
         timeout_s = max(5.0, self.cfg.control.heartbeat_s)
+        stopping = self._heartbeat_stop.is_set  # a beat in flight is dropped when the service stops
         clients = {
-            p: ControlClient(link.control.endpoint, timeout_s=timeout_s, ctx=self._zmq_ctx)
+            p: ControlClient(
+                link.control.endpoint, timeout_s=timeout_s, ctx=self._zmq_ctx, should_abort=stopping
+            )
             for p, link in self.links.items()
         }
         try:
@@ -375,6 +378,8 @@ class ActorLoop:
                 for policy, client in clients.items():
                     self._heartbeat_once(self.links[policy], client)
                 self._heartbeat_stop.wait(self.cfg.control.heartbeat_s)
+        except RpcAborted:
+            pass  # stopping
         finally:
             for client in clients.values():
                 client.close()

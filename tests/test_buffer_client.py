@@ -126,6 +126,34 @@ def test_an_ack_to_a_shard_that_is_gone_gives_up_once_its_role_stops(shard_facto
         assert stop.is_set()
 
 
+@pytest.mark.parametrize("bad", ["gone", "silent"])
+def test_stats_of_a_shard_that_does_not_answer_ends_once_its_role_stops(bad, shard_factory, zmq_ctx):
+    """A role stopped during its start-up (the learner asks every shard's STATS there) stops
+    waiting for a shard that is gone, or takes requests and never answers, instead of the
+    client's whole timeout (30 s here): the call ends Abandoned, a missing reply with
+    `missing_ok`, ShardUnavailable without."""
+    good = shard_factory()
+    if bad == "gone":
+        gone = shard_factory()
+        gone.close()
+        bad_ep = gone.endpoint
+    else:
+        hole = zmq_ctx.socket(zmq.ROUTER)
+        hole.setsockopt(zmq.LINGER, 0)
+        bad_ep = f"tcp://127.0.0.1:{hole.bind_to_random_port('tcp://127.0.0.1')}"
+    stop = threading.Event()
+    with BufferClient([good.endpoint, bad_ep], timeout_s=30, should_abort=stop.is_set) as client:
+        timer = threading.Timer(0.5, stop.set)
+        timer.start()
+        started = time.monotonic()
+        good_stats, bad_stats = client.stats(missing_ok=True)
+        timer.join()
+        assert time.monotonic() - started < 15  # well before the client's 30 s
+        assert good_stats is not None and bad_stats is None
+        with pytest.raises(ShardUnavailable, match="abandoned|not connected"):
+            client.stats()
+
+
 def test_put_waits_for_a_shard_that_starts_late(shard_factory):
     shard = shard_factory()
     shard.close()  # not up yet when the producer starts

@@ -17,6 +17,7 @@ from sluice.modeling import load_policy, materialize_model_dir
 from sluice.rollout_svc.engines.hf import HFEngine
 from sluice.weight_sync.broadcaster import WeightBroadcaster
 from sluice.weight_sync.checksums import ChecksumWorker
+from sluice.weight_sync.receiver import WeightReceiver
 
 # `env_factory` (SyncEnv instances closed at teardown) is a fixture of tests/conftest.py.
 
@@ -266,6 +267,20 @@ def test_a_receiver_that_joins_after_the_shutdown_announcement_ends_cleanly(env_
     assert late.version == 1  # it pulled the published weights before its JOIN
     membership = env.broadcaster.membership
     assert membership.counters["joins_after_shutdown"] == 1 and membership.registered() == 0
+
+
+def test_a_receiver_stopped_before_the_learners_store_is_up_ends_at_once():
+    """A rollout service stopped while its learner is not (or no longer) there, as when the
+    launcher is killed during start-up: its receiver does not wait out the store's 60 s connect
+    (TCPStore retries in C++, which a stop cannot interrupt) and ends without an error."""
+    cfg = small_cfg(timeout_s=60)  # nothing serves its master_port
+    receiver = WeightReceiver(cfg, service_id="rollout-0", control_endpoint="tcp://127.0.0.1:1")
+    receiver.start()
+    time.sleep(0.3)  # the scenario: it is waiting for the store when the stop comes
+    started = time.monotonic()
+    receiver.stop(timeout_s=30)
+    assert not receiver._thread.is_alive() and time.monotonic() - started < 10
+    assert receiver.error is None
 
 
 @pytest.mark.parametrize("checksum", ["auto", "wsum32"])

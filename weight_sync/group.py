@@ -23,6 +23,7 @@ Failure rules:
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -86,9 +87,16 @@ def epoch_backend(configured: str, learner_device: str, member_devices: list[str
     return "gloo"
 
 
-def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> TCPStore:
+def open_store(
+    host: str, port: int, is_master: bool, timeout_s: float, should_abort: Callable[[], bool] | None = None
+) -> TCPStore:
     """Rank 0 serves the store; receivers connect to it, retrying until `timeout_s`. No world
-    size: membership is elastic, the store does not count workers."""
+    size: membership is elastic, the store does not count workers. A receiver with
+    `should_abort` first waits for the port to take connections (TCPStore's own retries run in
+    C++ and cannot be interrupted: a service stopped while the learner is not up would wait
+    them out), and raises CollectiveAborted once it says so."""
+    if not is_master and should_abort is not None:
+        timeout_s = _await_port(host, port, timeout_s, should_abort)
     return TCPStore(
         host,
         port,
@@ -97,6 +105,21 @@ def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> TCPSt
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
+
+
+def _await_port(host: str, port: int, timeout_s: float, should_abort: Callable[[], bool]) -> float:
+    """Probe (host, port) every 0.1 s until it takes a connection, `timeout_s` passes (the store's
+    connect then reports the failure), or `should_abort`. Returns the time left."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                break
+        except OSError:
+            if should_abort():
+                raise CollectiveAborted(f"stopped while waiting for the store at {host}:{port}") from None
+            time.sleep(0.1)
+    return max(0.5, deadline - time.monotonic())
 
 
 @dataclass

@@ -175,7 +175,8 @@ class WeightReceiver:
     def _run(self) -> None:
         shutdown = False
         try:
-            self._store = open_store(self.cfg.master_addr, self.cfg.master_port, False, self.cfg.timeout_s)
+            host, port = self.cfg.master_addr, self.cfg.master_port
+            self._store = open_store(host, port, False, self.cfg.timeout_s, self._stop.is_set)
             ctx = self.zmq_ctx or zmq.Context.instance()
             self._notices = NoticeListener(ctx, self._store.get(NOTICE_KEY).decode())
             endpoint = self.control_endpoint or self._store.get(CONTROL_KEY).decode()
