@@ -17,12 +17,9 @@ VENV="${SLUICE_VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
 STAMP="$VENV/.sluice-setup-stamp"
 
-inputs_hash() {
-    cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/uv_install.sh" "$ROOT/pyproject.toml" \
-        "$ROOT"/requirements/*.txt <(echo "no_vllm=${SLUICE_NO_VLLM:-0}") | sha256sum | cut -d' ' -f1
-}
-
-want="$(inputs_hash)"
+# shellcheck source=scripts/uv_install.sh
+source "$ROOT/scripts/uv_install.sh"
+want="$(inputs_stamp <(echo "no_vllm=${SLUICE_NO_VLLM:-0}"))"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" && -x "$VENV/bin/python" ]]; then
     echo "setup: $VENV is up to date"
     exit 0
@@ -30,8 +27,6 @@ fi
 
 echo "setup: building $VENV with $("$PYTHON" --version)"
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-# shellcheck source=scripts/uv_install.sh
-source "$ROOT/scripts/uv_install.sh"
 uv_bootstrap
 # The CPU wheel of torch 2.13.0 (from the local wheel store on our machines). Installing it
 # first means no later requirement can pull a multi-GB CUDA build.

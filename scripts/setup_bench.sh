@@ -19,15 +19,14 @@ TORCH_PIN="torch==2.13.0"
 
 bash "$ROOT/scripts/setup.sh"
 
-want="$(cat "$ROOT/scripts/setup_bench.sh" "$ROOT/scripts/setup.sh" "$ROOT/scripts/uv_install.sh" \
-    "$ROOT/pyproject.toml" "$ROOT"/requirements/*.txt | sha256sum | cut -d' ' -f1)"
+# shellcheck source=scripts/uv_install.sh
+source "$ROOT/scripts/uv_install.sh"
+want="$(inputs_stamp "$ROOT/scripts/setup_bench.sh")"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     echo "setup_bench: $VENV is up to date"
     exit 0
 fi
 
-# shellcheck source=scripts/uv_install.sh
-source "$ROOT/scripts/uv_install.sh"
 uv_bootstrap
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT

@@ -10,10 +10,19 @@
 # `--index-strategy unsafe-best-match` is pip's own rule: the best version over every index, not
 # the first index that has the package.
 #
-# Needs VENV set to a venv that exists. `uv_bootstrap` first: it installs uv from pip (pinned,
-# once per venv) and reads pip's sources once for every `uv_install` after it.
+# Needs ROOT (the repository) and VENV set to a venv that exists. `uv_bootstrap` first: it
+# installs uv from pip (pinned, once per venv) and reads pip's sources once for every
+# `uv_install` after it.
 
 UV_VERSION="0.13.9"
+
+# The stamp of a setup's inputs, kept in the venv to make a second run with nothing changed a
+# no-op: the shared scripts, pyproject.toml and requirements/, plus what the caller adds (its own
+# script, its options).
+inputs_stamp() {
+    cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/uv_install.sh" "$ROOT/pyproject.toml" \
+        "$ROOT"/requirements/*.txt "$@" | sha256sum | cut -d' ' -f1
+}
 
 uv_bootstrap() {
     if [[ "$("$VENV/bin/uv" --version 2>/dev/null)" != "uv $UV_VERSION"* ]]; then
