@@ -195,8 +195,8 @@ def make_group(
 ) -> BroadcastGroup:
     """Join epoch `epoch`'s group (blocks until all world_size ranks have joined, or raises
     CollectiveError after `connect_timeout_s`). With `should_abort`, the connect runs in a
-    thread and this gives up as soon as it says so (a member left, the epoch was abandoned):
-    raises FormationAbandoned, whose `thread` the caller joins before it exits."""
+    thread, on a connection of its own to the store, and this gives up as soon as it says so (a
+    member left, the epoch was abandoned): raises FormationAbandoned."""
     connect = datetime.timedelta(seconds=connect_timeout_s)
     try:
         if should_abort is None:
