@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -203,7 +204,7 @@ def make_group(
             pg = _new_process_group(backend, PrefixStore(prefix, store), rank, world_size, connect)
         else:  # its own connection: a connect waiting on a key holds the client's lock meanwhile
             scoped = PrefixStore(prefix, _own_connection(store))
-            pg = _AbortableConnect(backend, scoped, rank, world_size, connect).result(should_abort, epoch)
+            pg = _connect_abortably(backend, scoped, rank, world_size, connect, should_abort, epoch)
     except FormationAbandoned:
         raise
     except (RuntimeError, dist.DistError) as e:
@@ -226,46 +227,37 @@ class FormationAbandoned(CollectiveAborted):
     No join at exit: no group can be torn down during the interpreter's."""
 
 
-class _AbortableConnect:
-    """One backend constructor in a daemon thread, and a wait on it that can be abandoned.
-    A gloo or NCCL connect blocks until every rank has connected: a member that died after
-    confirming would otherwise hold every other rank for the whole connect timeout."""
+def _connect_abortably(
+    backend: str,
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: datetime.timedelta,
+    should_abort: Callable[[], bool],
+    epoch: int,
+) -> Collectives:
+    """The backend's constructor in a daemon thread, waited for until `should_abort`. A gloo or
+    NCCL connect blocks until every rank has connected: a member that died after confirming would
+    otherwise hold every other rank for the whole connect timeout. A group built after it was
+    given up on is dropped as any other (`BroadcastGroup.close`)."""
+    built: Future[Collectives] = Future()
 
-    def __init__(self, backend: str, store: Store, rank: int, world_size: int, timeout: datetime.timedelta):
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._abandoned = False
-        self._box: list = []  # the group, or the constructor's exception
-        args = (backend, store, rank, world_size, timeout)
-        threading.Thread(target=self._connect, args=args, name="weight-sync-connect", daemon=True).start()
-
-    def _connect(self, *args) -> None:
+    def connect() -> None:
         try:
-            outcome = _new_process_group(*args)
+            built.set_result(_new_process_group(backend, store, rank, world_size, timeout))
         except (RuntimeError, dist.DistError) as e:
-            outcome = e
-        with self._lock:
-            self._done.set()
-            orphan = self._abandoned
-            if not orphan:
-                self._box.append(outcome)
-        if orphan and not isinstance(outcome, BaseException) and args[0] in ("nccl", "hccl"):
-            try:
-                outcome.abort()
-            except RuntimeError:
-                pass  # already torn down by its watchdog
+            built.set_exception(e)
 
-    def result(self, should_abort: Callable[[], bool], epoch: int, poll_s: float = 0.01) -> Collectives:
-        while not self._done.wait(poll_s):
-            if should_abort():
-                with self._lock:
-                    if not self._done.is_set():
-                        self._abandoned = True
-                        raise FormationAbandoned(f"epoch {epoch}: gave up forming the group")
-        outcome = self._box[0]
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
+    def drop_late(done: Future[Collectives]) -> None:
+        if done.exception() is None:
+            BroadcastGroup(done.result(), rank, world_size, backend, epoch).close()
+
+    threading.Thread(target=connect, name="weight-sync-connect", daemon=True).start()
+    while not wait([built], timeout=0.01).done:
+        if should_abort():
+            built.add_done_callback(drop_late)
+            raise FormationAbandoned(f"epoch {epoch}: gave up forming the group")
+    return built.result()
 
 
 def _new_process_group(
