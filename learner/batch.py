@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sluice.learner.packing import PackedRows, no_kv_cache
 from sluice.modeling.sampling import SamplingTransform, sampling_logprobs
 from sluice.trajectory import Trajectory
-from sluice.weight_sync.source import unwrap
 
 
 @dataclass
@@ -24,6 +24,7 @@ class TokenBatch:
     versions: torch.Tensor  # [B] trajectory versions (oldest token)
     group_ids: list[str]
     truncated: torch.Tensor  # [B] bool: cut at the token budget (the rollout's info["truncated"])
+    packed: PackedRows | None = None  # the forward's packed layout (learner/packing.py); None: padded
 
     @property
     def n_tokens(self) -> int:
@@ -83,20 +84,23 @@ def token_logprobs_and_entropy(
     model: torch.nn.Module, batch: TokenBatch, sampling: SamplingTransform, entropy: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs`, and (`entropy`) the entropy of the distribution sampled from at every
-    position, [B, L-1], from the same forward (with gradient: an entropy bonus takes it)."""
-    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    logits = model(**inputs, **_no_kv_cache(model)).logits[:, :-1]
-    logp = sampling_logprobs(logits, sampling, keep=batch.targets)
-    target = logp.gather(-1, batch.targets[..., None]).squeeze(-1)
-    if not entropy:
-        return target, None
-    p = logp.exp()
-    return target, -torch.where(p > 0, p * logp, torch.zeros_like(logp)).sum(-1)  # (filtered: p = 0)
-
-
-def _no_kv_cache(model: torch.nn.Module) -> dict[str, bool]:
-    """`use_cache=False` for a model whose config has that switch (transformers' causal LMs,
-    which default to building a KV cache in every forward): a scoring forward decodes nothing
-    after it, and the cache cost ~2-3% of the quickstart model's forward and backward."""
-    config = getattr(unwrap(model), "config", None)
-    return {"use_cache": False} if getattr(config, "use_cache", None) is not None else {}
+    position, [B, L-1], from the same forward (with gradient: an entropy bonus takes it).
+    With `batch.packed`, the forward runs on the packed rows and both come back padded."""
+    packed = batch.packed
+    if packed is None:
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        logits, targets = model(**inputs, **no_kv_cache(model)).logits[:, :-1], batch.targets
+    else:
+        inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+        logits = model(**inputs, **no_kv_cache(model)).logits
+        targets = packed.input_ids.roll(-1, dims=1)  # a row's last target is never gathered
+    logp = sampling_logprobs(logits, sampling, keep=targets)
+    target = logp.gather(-1, targets[..., None]).squeeze(-1)
+    ent = None
+    if entropy:
+        # a filtered token has p = 0 and log p = -inf: it adds 0, and no NaN to the gradient
+        ent = -(logp.exp() * logp.masked_fill(logp.isinf(), 0.0)).sum(-1)
+    if packed is not None:
+        target = target.flatten()[packed.index]
+        ent = ent.flatten()[packed.index] if ent is not None else None
+    return target, ent

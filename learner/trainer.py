@@ -9,6 +9,7 @@ over micro-batches and ranks, then averaged over updates.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from sluice.learner.losses.aggregate import Denominator
 from sluice.learner.objectives.base import Objective
 from sluice.modeling.policy import load_policy_model
 from sluice.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 def build_objective(
@@ -57,7 +60,24 @@ def build_objective(
         dtype=cfg.model.dtype,
         grad_clip=cfg.learner.grad_clip,
         dist=dist,
+        pack_attention=pack_attention(cfg, model, tokenizer, device),
     )
+
+
+def pack_attention(cfg: RunConfig, model: torch.nn.Module, tokenizer, device) -> float | None:
+    """The packing's attention weight (learner/packing.py), or None: padded rows, where
+    `learner.pack_sequences` is off or the model's packed forward differs from its padded one."""
+    from sluice.learner.packing import attention_weight, packs_like_padding
+
+    if not cfg.learner.pack_sequences:
+        return None
+    tolerance = 1e-3 if cfg.model.dtype == "float32" else 3e-2
+    vocab = len(tokenizer)
+    if not packs_like_padding(model, tokenizer.pad_token_id, vocab, torch.device(device), tolerance):
+        name = type(model).__name__
+        log.warning("learner.pack_sequences: %s's packed forward differs from its padded one; padding", name)
+        return None
+    return attention_weight(model)
 
 
 class Trainer:

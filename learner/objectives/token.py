@@ -24,6 +24,7 @@ from sluice.learner.dist import DistContext
 from sluice.learner.losses.aggregate import Denominator
 from sluice.learner.losses.grpo import group_indices
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
+from sluice.learner.packing import PackedRows, plan
 from sluice.learner.stages.base import Fields, LossContext, PrepareContext
 from sluice.learner.stages.builtin import build_stages, critic_config, needs_entropy, needs_reference
 from sluice.modeling.sampling import SamplingTransform
@@ -51,10 +52,13 @@ class TokenObjective(Objective[TokenPiece]):
         dtype: str = "float32",
         grad_clip: float = 1.0,
         dist: DistContext | None = None,
+        pack_attention: float | None = None,
     ) -> None:
         """`stages`: `workflow.learner` (sluice.config.workflow_check.effective_workflow);
         `reference_dir`: the run's initial model (the KL reference and the critic's start);
-        `dist`: the learner group (a group of one if None), for the critic's updates."""
+        `dist`: the learner group (a group of one if None), for the critic's updates;
+        `pack_attention`: pack sequences for the forward (learner/packing.py), with this
+        attention weight per key in the row-width choice; None: right-padded rows."""
         self.prepare_stages, self.loss_stages = build_stages(stages)
         self.entropy = needs_entropy(stages)  # the loss forward also gives the entropy field
         self.pad_id = pad_id
@@ -63,6 +67,7 @@ class TokenObjective(Objective[TokenPiece]):
         self.device = device
         self.critic = self._build_critic(stages, reference_dir, dtype, grad_clip)
         self.dist = dist or DistContext()
+        self.pack_attention = pack_attention
         self.reference = None
         if needs_reference(stages):
             from sluice.modeling import load_policy
@@ -112,7 +117,7 @@ class TokenObjective(Objective[TokenPiece]):
 
     def prepare(self, module, trajs: Sequence[Trajectory], dist: DistContext) -> TokenPiece:
         empty = not trajs
-        batch = _to(collate(list(trajs) or [self._dummy()], self.pad_id), self.device)
+        batch = _to(self._packed(collate(list(trajs) or [self._dummy()], self.pad_id)), self.device)
         if empty:
             batch.completion_mask = torch.zeros_like(batch.completion_mask)
         data: Fields = {
@@ -155,9 +160,16 @@ class TokenObjective(Objective[TokenPiece]):
         width = int(batch.attention_mask.sum(-1).max())
         trim = {"input_ids": width, "attention_mask": width}
         trim |= dict.fromkeys(("targets", "completion_mask", "behaviour_logprobs"), width - 1)
-        batch = replace(batch, **{k: getattr(batch, k)[:, :w] for k, w in trim.items()})
+        batch = self._packed(replace(batch, **{k: getattr(batch, k)[:, :w] for k, w in trim.items()}))
         data = {k: v[index][:, : width - 1] if v.dim() == 2 else v[index] for k, v in piece.fields.items()}
         return TokenPiece(batch, data)
+
+    def _packed(self, batch: TokenBatch) -> TokenBatch:
+        """`batch` with its packed layout, where packing is on and computes fewer positions."""
+        if self.pack_attention is None:
+            return batch
+        batch.packed = plan(batch.input_ids, batch.attention_mask, self.pad_id, self.pack_attention)
+        return batch
 
     def _dummy_piece(self, like: Fields) -> TokenPiece:
         """A one-row piece with nothing to learn from (its loss is multiplied by 0), with zeros
@@ -206,6 +218,6 @@ def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
         return batch
     for f in fields(batch):
         value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (torch.Tensor, PackedRows)):
             setattr(batch, f.name, value.to(device))
     return batch

@@ -64,6 +64,11 @@ class LearnerConfig(Section):
     micro_batches: int = Field(default=1, ge=1)
     """Gradient accumulation: each minibatch is split into this many micro-batches (the same
     number on every rank), gradients summed, one optimizer update."""
+    pack_sequences: bool = True
+    """LLM policies: the policy's forward packs a batch's sequences into shared rows, each
+    attending only within itself, instead of right-padding every row to the widest: fewer
+    positions computed where lengths vary (learner/packing.py). Used where the model passes a
+    check at start-up (its packed logits equal its padded ones); otherwise padded."""
     ranks: int = Field(default=1, ge=1)
     """Processes of each learner group (torch.distributed world size). The launcher starts them
     with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as torchrun does."""
