@@ -18,6 +18,7 @@ import torch
 
 from sluice.learner.batch import TokenBatch
 from sluice.learner.dist import DistContext
+from sluice.learner.packing import no_kv_cache
 
 CRITIC_FILE = "critic.pt"
 
@@ -39,9 +40,14 @@ class Critic(torch.nn.Module):
         self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr)
 
     def values(self, batch: TokenBatch) -> torch.Tensor:
-        """V of the state before each target: [B, L-1] (position t sees tokens 0..t)."""
-        out = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        return self.head(out.last_hidden_state[:, :-1]).squeeze(-1).float()
+        """V of the state before each target: [B, L-1] (position t sees tokens 0..t). On the
+        batch's packed rows where it has them (learner/packing.py), gathered back to [B, L-1]."""
+        packed, no_cache = batch.packed, no_kv_cache(self.backbone)
+        if packed is None:
+            out = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **no_cache)
+            return self.head(out.last_hidden_state[:, :-1]).squeeze(-1).float()
+        out = self.backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, **no_cache)
+        return self.head(out.last_hidden_state.flatten(0, 1)[packed.index]).squeeze(-1).float()
 
     def step(self, dist: DistContext) -> float:
         """One update from the accumulated gradients: averaged over ranks, clipped. Returns the

@@ -5,6 +5,7 @@ whose packed forward differs is trained padded."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -71,7 +72,9 @@ def test_the_packed_forward_gives_the_padded_logprobs_entropies_and_gradients(tm
     sampling = SamplingTransform(temperature=0.7, top_k=8)
     results = []
     for layout in (None, packed):
-        batch.packed = layout
+        batch = replace(batch, packed=layout)
+        if layout is not None:
+            batch.input_ids = torch.zeros_like(batch.input_ids)  # the packed forward reads only its rows
         model.zero_grad()
         logp, ent = token_logprobs_and_entropy(model, batch, sampling)
         assert ent is not None
@@ -108,6 +111,7 @@ def test_short_sequences_share_rows_twice_as_wide_where_that_computes_less():
         ["learner.loss.type=decoupled_ppo", "learner.llm.kl_coef=0.1"],
         ["workflow=gspo"],
         ["learner.loss.type=grpo", "learner.llm.aggregation=sequence"],
+        ["workflow=ppo_critic"],  # the value model's forward packs too
     ],
 )
 def test_the_objective_gives_the_same_loss_packed_or_padded_whole_and_in_micro_batches(tmp_path, overrides):
@@ -159,3 +163,19 @@ def test_a_model_whose_packed_forward_differs_is_trained_padded(tmp_path, caplog
     assert "pack_sequences" in caplog.text
     off = load_config(None, [f"run.dir={tmp_path}", *TINY, "learner.pack_sequences=false"])
     assert pack_attention(off, model, tok, cpu) is None
+
+
+def test_the_value_model_gives_the_padded_values_on_packed_rows(tmp_path):
+    from sluice.learner.critic import Critic
+
+    _, model_dir, _, tok = tiny_policy(tmp_path)
+    critic = Critic(model_dir, "float32", torch.device("cpu"), lr=1e-3, grad_clip=1.0)
+    with torch.no_grad():
+        critic.head.weight.normal_()  # zero at the start: values of 0 would say nothing
+    batch = collate(trajectories([1, 9, 2, 4, 3, 12, 2, 5]), tok.pad_token_id)
+    padded = critic.values(batch)
+    packed = replace(batch, packed=plan(batch.input_ids, batch.attention_mask, tok.pad_token_id, 0.0))
+    assert packed.packed is not None
+    packed.input_ids = torch.zeros_like(batch.input_ids)  # the packed forward reads only its rows
+    mask = batch.completion_mask
+    assert torch.allclose(padded[mask], critic.values(packed)[mask], atol=1e-5)
