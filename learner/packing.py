@@ -41,11 +41,15 @@ def first_fit(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, 
     `width` positions (ties keep batch order, so every rank packs the same batch alike)."""
     row = np.empty(len(lengths), dtype=np.int64)
     offset = np.empty(len(lengths), dtype=np.int64)
-    free: list[int] = []
-    for i in np.argsort(-lengths, kind="stable"):
-        n = int(lengths[i])
-        r = next((r for r, room in enumerate(free) if room >= n), len(free))
-        if r == len(free):
+    free: list[int] = []  # room left in each row
+    sizes = lengths.tolist()
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        n = sizes[i]
+        for r, room in enumerate(free):
+            if room >= n:
+                break
+        else:
+            r = len(free)
             free.append(width)
         row[i], offset[i] = r, width - free[r]
         free[r] -= n
@@ -72,11 +76,17 @@ def plan(
     batch, width = input_ids.shape
     if lengths.min() == width:  # every row full
         return None
-    options = []
+    total = int(lengths.sum())
+    best = None  # (cost, width, row, offset, rows)
     for w in (width * k for k in WIDTHS):
+        if best is not None and -(-total // w) * w * (1 + attn_weight * w) >= best[0]:
+            continue  # even rows filled to the last position would cost more
         row, offset, rows = first_fit(lengths, w)
-        options.append((rows * w * (1 + attn_weight * w), w, row, offset, rows))
-    cost, w, row, offset, rows = min(options, key=lambda o: (o[0], o[1]))
+        cost = rows * w * (1 + attn_weight * w)
+        if best is None or cost < best[0]:
+            best = (cost, w, row, offset, rows)
+    assert best is not None
+    cost, w, row, offset, rows = best
     if cost >= batch * width * (1 + attn_weight * width):
         return None
     return _layout(input_ids, lengths, row, offset, rows, w, pad_id)
@@ -91,20 +101,21 @@ def _layout(
     w: int,
     pad_id: int,
 ) -> PackedRows:
-    batch, width = input_ids.shape
-    col = np.arange(width)
+    """Built in numpy on the host (a few vectorised ops over the batch), then moved."""
+    src = input_ids.cpu().numpy()
+    col = np.arange(src.shape[1])
     start = row * w + offset  # flat start of each sequence
     dest = start[:, None] + col[None, :]  # [B, L]
     filled = col[None, :] < lengths[:, None]
-    ids = torch.full((rows * w,), pad_id, dtype=input_ids.dtype, device=input_ids.device)
-    pos = torch.zeros(rows * w, dtype=torch.long, device=input_ids.device)
-    flat = torch.from_numpy(dest[filled]).to(input_ids.device)
-    mask = torch.from_numpy(filled).to(input_ids.device)
-    ids[flat] = input_ids[mask]
-    pos[flat] = torch.from_numpy(np.broadcast_to(col, (batch, width))[filled]).to(input_ids.device)
+    flat = dest[filled]
+    ids = np.full(rows * w, pad_id, dtype=src.dtype)
+    ids[flat] = src[filled]
+    pos = np.zeros(rows * w, dtype=np.int64)
+    pos[flat] = (col[None, :] + np.zeros_like(dest))[filled]
     # a target position past its sequence's end points at the sequence's start: masked anyway
     index = np.where(filled[:, 1:], dest[:, :-1], start[:, None])
-    return PackedRows(ids.view(rows, w), pos.view(rows, w), torch.from_numpy(index).to(input_ids.device))
+    packed = PackedRows(*(torch.from_numpy(a) for a in (ids.reshape(rows, w), pos.reshape(rows, w), index)))
+    return packed.to(input_ids.device) if input_ids.device.type != "cpu" else packed
 
 
 def packs_like_padding(
