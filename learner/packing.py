@@ -45,11 +45,10 @@ def first_fit(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, 
     sizes = lengths.tolist()
     for i in np.argsort(-lengths, kind="stable").tolist():
         n = sizes[i]
-        for r, room in enumerate(free):
-            if room >= n:
-                break
-        else:
-            r = len(free)
+        r = 0
+        while r < len(free) and free[r] < n:
+            r += 1
+        if r == len(free):
             free.append(width)
         row[i], offset[i] = r, width - free[r]
         free[r] -= n
