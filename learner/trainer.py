@@ -126,8 +126,11 @@ class Trainer:
                             sums[k] = sums[k] + v if k in sums else v
                 norms.append(be.step())
                 extra = obj.after_update()
+        stats = self.reduce_stats(sums, maxima, updates=lc.epochs * lc.minibatches)
+        if stats.get("forward_positions"):  # share of computed positions holding a token
+            stats["forward_fill"] = stats["forward_tokens"] / stats["forward_positions"]
         return (
-            self.reduce_stats(sums, maxima, updates=lc.epochs * lc.minibatches)
+            stats
             | extra
             | {
                 "grad_norm": float(torch.stack([torch.as_tensor(n).double().cpu() for n in norms]).mean()),

@@ -179,3 +179,20 @@ def test_the_value_model_gives_the_padded_values_on_packed_rows(tmp_path):
     packed.input_ids = torch.zeros_like(batch.input_ids)  # the packed forward reads only its rows
     mask = batch.completion_mask
     assert torch.allclose(padded[mask], critic.values(packed)[mask], atol=1e-5)
+
+
+def test_a_steps_forward_fill_is_the_share_of_computed_positions_holding_a_token(tmp_path):
+    from sluice.learner.trainer import Trainer
+
+    lengths = [1, 9, 2, 4, 3, 12, 2, 5]  # completions, after 3 prompt tokens
+    fills = {}
+    for pack in ("false", "true"):
+        cfg, model_dir, _, _ = tiny_policy(
+            tmp_path / pack,
+            ["rollout.group_size=4", "learner.batch_size=8", f"learner.pack_sequences={pack}"],
+        )
+        stats = Trainer(cfg, DistContext(), model_dir).train_step(trajectories(lengths))
+        fills[pack] = stats["forward_fill"]
+    tokens = sum(lengths) + 3 * len(lengths)
+    assert fills["false"] == pytest.approx(tokens / (len(lengths) * (12 + 3)))
+    assert fills["true"] > fills["false"]

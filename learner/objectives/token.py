@@ -204,6 +204,7 @@ class TokenObjective(Objective[TokenPiece]):
             total = total + stage.coef * out.loss
             stats.update(out.metrics)
             stats[stage.name] = out.loss.detach()
+        stats |= _forward_size(piece.batch, total.device)
         if piece.empty:
             total = total * 0.0
             stats = {k: torch.zeros_like(v) for k, v in stats.items()}
@@ -211,6 +212,16 @@ class TokenObjective(Objective[TokenPiece]):
 
     def max_stats(self) -> tuple[str, ...]:
         return ("is_weight_max",)
+
+
+def _forward_size(batch: TokenBatch, device: torch.device) -> Stats:
+    """The tokens in the policy's forward and the positions it computed (packed rows, or the
+    padded batch): their ratio is the `forward_fill` metric."""
+    shape = (batch.packed.input_ids if batch.packed is not None else batch.input_ids).shape
+    return {
+        "forward_tokens": batch.attention_mask.sum().to(device, torch.float32),
+        "forward_positions": torch.tensor(float(shape[0] * shape[1]), device=device),
+    }
 
 
 def _to(batch: TokenBatch, device: torch.device) -> TokenBatch:
