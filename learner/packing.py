@@ -38,7 +38,7 @@ class PackedRows:
 
 def first_fit(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
     """(row, offset) of each sequence and the row count: first-fit decreasing into rows of
-    `width` positions (ties keep batch order, so every rank packs the same batch alike)."""
+    `width` positions (ties in batch order: the same batch always packs the same way)."""
     row = np.empty(len(lengths), dtype=np.int64)
     offset = np.empty(len(lengths), dtype=np.int64)
     free: list[int] = []  # room left in each row
@@ -58,7 +58,7 @@ def first_fit(lengths: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, 
 def attention_weight(model: torch.nn.Module) -> float:
     """Attention work per key against a position's linear work, from the model's widths
     (Llama-like: 4d^2 + 3d*ffn multiply-adds per position, 2d per key); 0 when unknown."""
-    config = getattr(model, "config", None)
+    config = getattr(unwrap(model), "config", None)
     d = getattr(config, "hidden_size", None)
     ffn = getattr(config, "intermediate_size", None)
     if not isinstance(d, int) or not isinstance(ffn, int):
@@ -69,8 +69,8 @@ def attention_weight(model: torch.nn.Module) -> float:
 def plan(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int, attn_weight: float
 ) -> PackedRows | None:
-    """The packed layout of a right-padded batch, or None where packing would not compute fewer
-    positions than the padding does."""
+    """The packed layout of a right-padded batch, or None where packing would not cost less than
+    the padding does (positions, each with its attention work)."""
     lengths = attention_mask.sum(-1).cpu().numpy()
     batch, width = input_ids.shape
     if lengths.min() == width:  # every row full
