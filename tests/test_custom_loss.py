@@ -205,6 +205,7 @@ def test_the_learner_builds_its_objective_with_a_custom_loss_and_trains_on_it(tm
     assert torch.equal(x.mask, piece.batch.completion_mask) and denom.tokens == 2 + 3 + 4 + 5
     by_hand = -3 * (x.advantages[:, None] * x.logprobs.detach() * x.mask).sum() / denom.tokens
     assert torch.allclose(loss, by_hand) and torch.allclose(stats["policy_loss"], by_hand)
-    assert set(stats) == {"abs_adv_mean", "policy_loss"}
+    # the loss's own metrics, beside the objective's size of the forward (forward_fill's parts)
+    assert set(stats) == {"abs_adv_mean", "policy_loss", "forward_tokens", "forward_positions"}
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
