@@ -193,17 +193,23 @@ def make_group(
     connect_timeout_s: float,
     op_timeout_s: float,
     should_abort: Callable[[], bool] | None = None,
+    own_connection: bool = True,
 ) -> BroadcastGroup:
     """Join epoch `epoch`'s group (blocks until all world_size ranks have joined, or raises
     CollectiveError after `connect_timeout_s`). With `should_abort`, the connect runs in a
-    thread, on a connection of its own to the store, and this gives up as soon as it says so (a
-    member left, the epoch was abandoned): raises FormationAbandoned."""
+    thread and this gives up as soon as it says so (a member left, the epoch was abandoned):
+    raises FormationAbandoned. A connect waiting on a key holds its store client's lock, so
+    whatever `should_abort` or its caller writes must use another client: with
+    `own_connection` the connect gets a new one (the learner, which writes the abort on its
+    own); without, the caller's `should_abort` reads on a client of its own (a receiver: a
+    connect on a cloned client missed its 5 s connect timeout in some tests on a loaded
+    machine, one on the receiver's own client never did)."""
     connect = datetime.timedelta(seconds=connect_timeout_s)
     try:
         if should_abort is None:
             pg = _new_process_group(backend, PrefixStore(prefix, store), rank, world_size, connect)
-        else:  # its own connection: a connect waiting on a key holds the client's lock meanwhile
-            scoped = PrefixStore(prefix, _own_connection(store))
+        else:
+            scoped = PrefixStore(prefix, new_client(store) if own_connection else store)
             pg = _connect_abortably(backend, scoped, rank, world_size, connect, should_abort, epoch)
     except FormationAbandoned:
         raise
@@ -214,7 +220,7 @@ def make_group(
     return BroadcastGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, epoch=epoch)
 
 
-def _own_connection(store: Store) -> Store:
+def new_client(store: Store) -> Store:
     """A new client connection to the same store (c10d's `Store.clone`, which torch's stubs
     (2.13) do not list)."""
     return store.clone()  # pyright: ignore[reportAttributeAccessIssue]

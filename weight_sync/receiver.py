@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import zmq
@@ -44,8 +45,10 @@ from sluice.weight_sync.group import (
     CollectiveAborted,
     CollectiveError,
     FormationAbandoned,
+    Store,
     TCPStore,
     make_group,
+    new_client,
     open_store,
     wait_work,
 )
@@ -118,12 +121,20 @@ class WeightReceiver:
         self._seq = 0
         self._last_pull = 0.0
         self._store: TCPStore | None = None
+        self._watch: Store | None = None  # see _watch_store
         self._notices: NoticeListener | None = None  # the learner's store-change notices
         self._control: ControlClient | None = None
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+
+    def _watch_store(self) -> Store:
+        """A second client of the learner's store, for the checks made while the first may be
+        held by a group's connect (which waits on keys holding its client's lock)."""
+        if self._watch is None:
+            self._watch = new_client(self._live_store())
+        return self._watch
 
     def _live_store(self) -> TCPStore:
         """The learner's store, which the receiver thread connects to first."""
@@ -346,9 +357,12 @@ class WeightReceiver:
                 connect_timeout_s=self.cfg.ready_timeout_s,
                 op_timeout_s=self.cfg.publish_timeout_s,
                 should_abort=self._abandoned(ann.epoch, rank),
+                own_connection=False,  # `_abandoned` reads on the watch client
             )
         except FormationAbandoned as e:  # the learner gave the epoch up (a member left) or we stop
             log.info("weight receiver: %s", e)
+            # the abandoned connect still waits on its keys, holding this client's lock: a new one
+            self._store = cast(TCPStore, new_client(self._live_store()))
             return
         except CollectiveError as e:
             self.failures += 1
@@ -441,8 +455,9 @@ class WeightReceiver:
         watches it), and give up if the learner abandoned the epoch or we are stopping."""
 
         def check() -> bool:
-            self._live_store().add(epoch_key(epoch, "beat", rank), 1)
-            return self._stop.is_set() or self._live_store().check([epoch_key(epoch, "abort")])
+            store = self._watch_store()
+            store.add(epoch_key(epoch, "beat", rank), 1)
+            return self._stop.is_set() or store.check([epoch_key(epoch, "abort")])
 
         return check
 
