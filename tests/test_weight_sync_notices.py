@@ -14,6 +14,7 @@ from helpers.weight_sync_env import wait_version
 import sluice.weight_sync.notices as notices_module
 import sluice.weight_sync.receiver as receiver_module
 from sluice.config.security import SecurityConfig
+from sluice.net import zmq_socket
 from sluice.security import generate_keys, secure_context
 from sluice.weight_sync.notices import NoticeListener, NoticePublisher
 
@@ -24,15 +25,23 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
 
 
 class CountingStore:
-    """A receiver's store that counts the lookups (`check`) made through it."""
+    """A receiver's store that counts the lookups (`check`) made through it and lists the keys
+    it was asked for (`check` and `get`)."""
 
     def __init__(self, store) -> None:
         self._store = store
         self.checks = 0
+        self.checked: list[str] = []
+        self.got: list[str] = []
 
     def check(self, keys):
         self.checks += 1
+        self.checked += keys
         return self._store.check(keys)
+
+    def get(self, key):
+        self.got.append(key)
+        return self._store.get(key)
 
     def __getattr__(self, name):
         return getattr(self._store, name)
@@ -145,3 +154,93 @@ def test_with_curve_only_the_runs_clients_hear_the_notices(tmp_path):
             sock.close()
         for ctx in (server, client, plain_ctx):
             ctx.term()
+
+
+def test_a_listener_keeps_the_newest_values_notices_carry(zmq_ctx):
+    """A notice with a key carries the value the key holds now: the listener keeps the newest
+    per key, CARRIED_KEEP keys at most (the oldest go first); a bare notice carries none."""
+    publisher = NoticePublisher(zmq_ctx, "127.0.0.1")
+    listener = NoticeListener(zmq_ctx, publisher.endpoint)
+    try:
+        assert notices_through(publisher, listener, 10)
+        publisher.notify("ws/ann/0/sums", b"A" * 8)
+        publisher.notify("ws/ann/0/sums", b"A" * 16)  # appended: the whole value again
+        for seq in range(1, notices_module.CARRIED_KEEP + 1):
+            publisher.notify(f"ws/ann/{seq}", f"announcement {seq}".encode())
+        publisher.notify()
+        last = f"ws/ann/{notices_module.CARRIED_KEEP}"
+        wait_until(lambda: listener.wait(0.05) and listener.carried(last) is not None, 10, "the notices")
+        assert listener.carried(last) == f"announcement {notices_module.CARRIED_KEEP}".encode()
+        assert listener.carried("ws/ann/1") == b"announcement 1"
+        assert listener.carried("ws/ann/0/sums") is None  # the oldest of CARRIED_KEEP + 1 keys
+        assert listener.carried("") is None and listener.carried("ws/head") is None
+    finally:
+        listener.close()
+        publisher.close()
+
+
+def test_a_listener_ignores_notices_of_another_shape(zmq_ctx):
+    """A frame this version does not know (three parts, one part, an empty key) wakes the
+    listener like a bare notice and is not kept; the listener goes on."""
+    pub = zmq_socket(zmq_ctx, zmq.PUB, hwm=64)
+    endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    listener = NoticeListener(zmq_ctx, endpoint)
+    try:
+        deadline = time.monotonic() + 10
+        while not listener.wait(0.05):  # until the subscription is up
+            assert time.monotonic() < deadline, "no notice heard"
+            pub.send_multipart([b"", b""])
+        for frames in ([b"k", b"v", b"extra"], [b"k"], [b"", b"v"], [b"\xff\xfe", b"v"]):
+            pub.send_multipart(frames)
+        pub.send_multipart([b"k2", b"v2"])
+        wait_until(lambda: listener.wait(0.05) or listener.carried("k2") is not None, 10, "k2")
+        assert listener.carried("k2") == b"v2"
+        assert listener.carried("k") is None
+    finally:
+        listener.close()
+        pub.close(linger=0)
+
+
+def test_a_member_takes_a_version_from_the_notices_alone(env_factory, monkeypatch):
+    """The announcement and its checksums come in the notices that follow their writes: a
+    member reads neither from the store (each read is a round trip on the path from a
+    publish to the first generation on it). With the fallback at 30 s the store is not
+    looked at while notices come; the fallback itself: the next test."""
+    monkeypatch.setattr(notices_module, "NOTICE_FALLBACK_S", 30.0)
+    env = env_factory()
+    env.broadcaster.publish(0, tiny_model())
+    receiver = env.receiver("rollout-0")
+    env.wait_members(1)
+    assert env.broadcaster.publish(1, tiny_model(1)).delivered
+    wait_version(receiver, 1)
+    store = CountingStore(receiver._store)
+    receiver._store = store
+    for version in (2, 3):
+        assert env.broadcaster.publish(version, tiny_model(version)).delivered
+        assert wait_version(receiver, version).version == version
+    read = [key for key in store.got if key.startswith("ws/ann/")]
+    read += [key for key in store.checked if key.endswith("/sums")]
+    assert read == [], read
+    assert receiver.error is None
+
+
+def test_without_carried_values_a_member_reads_the_store(env_factory, monkeypatch):
+    """Notices that stop carrying values (lost, or bare): the member looks at the store every
+    NOTICE_FALLBACK_S, reads the announcement and the checksums there and takes the version
+    all the same."""
+    env = env_factory()
+    env.broadcaster.publish(0, tiny_model())
+    receiver = env.receiver("rollout-0")
+    env.wait_members(1)
+    assert env.broadcaster.publish(1, tiny_model(1)).delivered
+    wait_version(receiver, 1)
+    publisher = env.broadcaster.notices
+    assert publisher is not None
+    bare = publisher.notify
+    monkeypatch.setattr(publisher, "notify", lambda key="", value=b"": bare())
+    store = CountingStore(receiver._store)
+    receiver._store = store
+    assert env.broadcaster.publish(2, tiny_model(2)).delivered
+    assert wait_version(receiver, 2).version == 2
+    assert any(key.startswith("ws/ann/") and key.endswith("/sums") for key in store.got)
+    assert receiver.error is None

@@ -9,6 +9,7 @@ docs/architecture.md, "Weight sync".
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -511,10 +512,16 @@ class WeightBroadcaster:
         thread when xxh3 sums follow the data)."""
         store = self.store
         assert store is not None, "start() first"
+        key = ann_key(seq, "sums")
+        written = bytearray()  # what the key holds: each notice carries all of it
+        lock = threading.Lock()
 
         def append(i: int, bucket_sums: list[int]) -> None:
-            store.append(ann_key(seq, "sums"), encode_checksums(bucket_sums))
-            self._notify()
+            words = encode_checksums(bucket_sums)
+            with lock:
+                store.append(key, words)
+                written.extend(words)
+                self._notify(key, bytes(written))
 
         return append
 
@@ -607,8 +614,9 @@ class WeightBroadcaster:
         ids = [c.service_id for c in committed]
         self._members, self._committed, self._committed_epoch = ids, committed, epoch
         backend = epoch_backend(self.cfg.backend, self.device.type, [c.device for c in committed])
-        self._live_store().set(epoch_key(epoch, "commit"), encoder.encode(EpochCommit(epoch, ids, backend)))
-        self._notify()
+        commit = encoder.encode(EpochCommit(epoch, ids, backend))
+        self._live_store().set(epoch_key(epoch, "commit"), commit)
+        self._notify(epoch_key(epoch, "commit"), commit)
         self.membership.commit_epoch(committed, dropped)
         if dropped:
             log.warning(
@@ -700,16 +708,20 @@ class WeightBroadcaster:
             self._abandoned_works = []
             self.group = None
 
-    def _notify(self) -> None:
-        """Wake the receivers: a key they wait on was just written (weight_sync/notices.py)."""
+    def _notify(self, key: str = "", value: bytes = b"") -> None:
+        """Wake the receivers: a key they wait on was just written; with `key`, the notice
+        carries the value it now holds (weight_sync/notices.py)."""
         if self.notices is not None:
-            self.notices.notify()
+            self.notices.notify(key, value)
 
     def _announce(self, seq: int, announcement: Announcement) -> None:
+        """The announcement's key, then its notice, then the head: a receiver reads the head
+        only to tell that an announcement it waits for was pruned."""
         store = self._live_store()
-        store.set(ann_key(seq), encoder.encode(announcement))
+        value = encoder.encode(announcement)
+        store.set(ann_key(seq), value)
+        self._notify(ann_key(seq), value)
         store.set(HEAD_KEY, str(seq + 1).encode())
-        self._notify()
         old = seq - KEEP_ANNOUNCEMENTS
         if old >= 0:
             store.delete_key(ann_key(old))

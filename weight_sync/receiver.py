@@ -120,6 +120,7 @@ class WeightReceiver:
         self._listed = False  # an epoch listed it since it last joined
         self._seq = 0
         self._last_pull = 0.0
+        self._last_beat = 0.0  # when _wait_once last bumped this member's heartbeat
         self._store: TCPStore | None = None
         self._watch: Store | None = None  # see _watch_store
         self._notices: NoticeListener | None = None  # the learner's store-change notices
@@ -392,10 +393,10 @@ class WeightReceiver:
     def _next_announcement(self):
         key = ann_key(self._seq)
         while not self._stop.is_set():
-            if self._wait_once(key):
-                announcement = announcement_decoder.decode(self._live_store().get(key))
+            value = self._wait_once(key)
+            if value is not None:
                 self._seq += 1
-                return announcement
+                return announcement_decoder.decode(value)
             if int(self._live_store().get(HEAD_KEY)) > self._seq and not self._live_store().check([key]):
                 raise _Rejoin(f"announcement {self._seq} was pruned: fell behind")
             if self.version < 0 and self._group is None and time.monotonic() - self._last_pull > 1.0:
@@ -404,51 +405,60 @@ class WeightReceiver:
 
     def _wait_key(self, key: str, timeout_s: float) -> bytes:
         deadline = time.monotonic() + timeout_s
-        while not self._wait_once(key):
+        while (value := self._wait_once(key)) is None:
             if self._stop.is_set():
                 raise _Rejoin("stopping")
             if time.monotonic() > deadline:
                 raise _Rejoin(f"{key} not written within {timeout_s:.0f}s")
-        return self._live_store().get(key)
+        return value
 
-    def _wait_once(self, key: str) -> bool:
-        """Whether `key` appears within _POLL_S. Looks with `check` whenever the learner's
-        notices say the store changed (a store `wait` that times out logs a C++ warning each
-        time); DistNetworkError (learner gone) propagates. A member bumps its heartbeat on
-        every call."""
-        deadline = time.monotonic() + _POLL_S
-        store = self._live_store()
-        if self._group is not None:  # idle members beat too: the learner may still be sending
-            store.add(epoch_key(self._group.epoch, "beat", self._group.rank), 1)
-        while not store.check([key]):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            self._live_notices().wait(remaining)
-        return True
+    def _wait_once(self, key: str) -> bytes | None:
+        """`key`'s value if it is written within _POLL_S (`_look`), else None. A member bumps
+        its heartbeat at most every _POLL_S."""
+        now = time.monotonic()
+        if self._group is not None and now - self._last_beat >= _POLL_S:
+            self._last_beat = now  # idle members beat too: the learner may still be sending
+            self._live_store().add(epoch_key(self._group.epoch, "beat", self._group.rank), 1)
+        return self._look(key, now + _POLL_S)
+
+    def _look(
+        self, key: str, deadline: float, enough: Callable[[bytes], bool] = lambda _: True
+    ) -> bytes | None:
+        """`key`'s value once one that is `enough` came in a notice or is in the store; None at
+        `deadline`. The store is looked at as `NoticeListener.look_every_s` says (not with a
+        store `wait`: one that times out logs a C++ warning each time). DistNetworkError
+        (learner gone) propagates."""
+        notices, store = self._live_notices(), self._live_store()
+        notices.wait(0)  # what came while this thread was busy
+        next_look = time.monotonic() + notices.look_every_s()
+        while True:
+            value = notices.carried(key)
+            if value is not None and enough(value):
+                return value
+            now = time.monotonic()
+            if now >= next_look:
+                next_look = now + notices.look_every_s()
+                if store.check([key]) and enough(value := store.get(key)):
+                    return value
+            if now >= deadline:
+                return None
+            notices.wait((deadline if next_look <= now else min(deadline, next_look)) - now)
 
     def _wait_sums(self, seq: int, count: int, abandoned: Callable[[], bool]) -> list[int]:
         """The first `count` checksums of announcement `seq`. The learner appends a bucket's
         once it hashed it, while the data is on the wire: usually they are there already."""
         key = ann_key(seq, "sums")
         deadline = time.monotonic() + self.cfg.publish_timeout_s
-        next_check = time.monotonic() + _POLL_S
-        store = self._live_store()
         while True:
-            if store.check([key]):
-                sums = decode_checksums(store.get(key))
-                if len(sums) >= count:
-                    return sums
-            now = time.monotonic()
-            if now >= next_check:
-                next_check = now + _POLL_S
-                if abandoned():
-                    raise CollectiveAborted("abandoned while waiting for checksums")
-            if now >= deadline:
+            raw = self._look(key, min(time.monotonic() + _POLL_S, deadline), lambda v: len(v) >= 8 * count)
+            if raw is not None:
+                return decode_checksums(raw)
+            if abandoned():
+                raise CollectiveAborted("abandoned while waiting for checksums")
+            if time.monotonic() >= deadline:
                 raise CollectiveError(
                     f"checksums of announcement {seq} not written within {self.cfg.publish_timeout_s:.0f}s"
                 )
-            self._live_notices().wait(min(next_check, deadline) - now)
 
     def _abandoned(self, epoch: int, rank: int) -> Callable[[], bool]:
         """Polled while waiting in a collective: bump this member's heartbeat (the learner
