@@ -3,6 +3,7 @@ corrupt or mismatched versions are refused; late joiners pull the current versio
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import pytest
@@ -10,7 +11,10 @@ import torch
 from helpers.wait import wait_until
 from helpers.weight_sync_env import perturb, small_cfg, wait_version
 
+import sluice.weight_sync.broadcaster as broadcaster_module
+import sluice.weight_sync.group as group_module
 import sluice.weight_sync.pipeline as pipeline_module
+import sluice.weight_sync.receiver as receiver_module
 from sluice.config.model import ModelConfig, TinyModelInit
 from sluice.control.client import ControlClient
 from sluice.modeling import load_policy, materialize_model_dir
@@ -246,6 +250,40 @@ def test_leave_rebuilds_group_without_the_service(env_factory):
     assert stats.members == 1 and not stats.retried
     got = wait_version(a, 2)
     assert_identical(got.tensors, expected(model, torch.float32))
+
+
+def test_epochs_connect_on_store_clients_made_ahead(env_factory, monkeypatch):
+    """Under CPU load a new TCPStore client's first operations took 5 s now and then (its
+    connect, its first wait in a group's connect), which missed the connect timeout in loaded
+    test runs: the learner and every receiver make their clients ahead, so forming epochs (two
+    joins, a leave) makes none on the way to a connect."""
+    made_forming: list[str] = []
+
+    def counting(real):
+        def new_client(store):
+            names = {frame.function for frame in inspect.stack()}
+            if names & {"_try_form_epoch", "_enter_epoch", "make_group"}:
+                made_forming.append(
+                    ",".join(sorted(names & {"_try_form_epoch", "_enter_epoch"})) or "make_group"
+                )
+            return real(store)
+
+        return new_client
+
+    for module in (group_module, broadcaster_module, receiver_module):
+        monkeypatch.setattr(module, "new_client", counting(group_module.new_client), raising=False)
+    model = tiny_model()
+    env = env_factory()
+    a = env.receiver("rollout-0")
+    env.wait_members(1)
+    assert env.broadcaster.publish(1, model).members == 1
+    b = env.receiver("rollout-1")
+    env.wait_members(2)
+    assert env.broadcaster.publish(2, model).members == 2
+    b.stop()
+    assert env.broadcaster.publish(3, model).members == 1
+    assert wait_version(a, 3).version == 3 and a.epoch >= 3
+    assert made_forming == []
 
 
 def test_a_receiver_that_joins_after_the_shutdown_announcement_ends_cleanly(env_factory):

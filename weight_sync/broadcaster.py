@@ -46,6 +46,7 @@ from sluice.weight_sync.group import (
     TCPStore,
     epoch_backend,
     make_group,
+    new_client,
     open_store,
     resolve_backend,
 )
@@ -152,6 +153,7 @@ class WeightBroadcaster:
         self.membership = Membership()
         self.metrics = BroadcastMetrics(None)
         self.store: TCPStore | None = None
+        self._connect_store: TCPStore | None = None  # the client epochs' group connects use
         self.transfer: SnapshotServer | None = None
         self.notices: NoticePublisher | None = None  # wakes receivers after a store write
         self.group: BroadcastGroup | None = None
@@ -195,6 +197,8 @@ class WeightBroadcaster:
         if control is not None:
             control.attach_membership(self.membership)
         self.store = open_store(self.cfg.master_addr, self.cfg.master_port, True, self.cfg.timeout_s)
+        # a connect holds its client while it waits on keys, and membership writes go on
+        self._connect_store = new_client(self.store)
         self.transfer = SnapshotServer(self.cfg.transfer, self.cfg.master_addr, ctx=self.zmq_ctx)
         self.transfer.start()
         self.notices = NoticePublisher(self.zmq_ctx or zmq.Context.instance(), self.cfg.master_addr)
@@ -632,7 +636,7 @@ class WeightBroadcaster:
         try:
             self.group = make_group(
                 backend,
-                self._live_store(),
+                self._connect_client(),
                 0,
                 len(committed) + 1,
                 epoch=epoch,
@@ -642,6 +646,7 @@ class WeightBroadcaster:
                 should_abort=lambda: not all(self.membership.holds(c) for c in committed),
             )
         except FormationAbandoned:
+            self._connect_store = new_client(self._live_store())  # the abandoned connect holds the old
             gone = [c.service_id for c in committed if not self.membership.holds(c)]
             self._abandon_epoch(CollectiveAborted(f"{gone} left while the group connected"))
             return False
@@ -707,6 +712,13 @@ class WeightBroadcaster:
             self._droppers.append(self.group.close(pending=self._abandoned_works))
             self._abandoned_works = []
             self.group = None
+
+    def _connect_client(self) -> TCPStore:
+        """The store client group connects use: made at start, and again once a connect was
+        abandoned, not on the way to a connect (`new_client`)."""
+        if self._connect_store is None:
+            raise RuntimeError("weight sync: start() first")
+        return self._connect_store
 
     def _notify(self, key: str = "", value: bytes = b"") -> None:
         """Wake the receivers: a key they wait on was just written; with `key`, the notice

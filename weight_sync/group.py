@@ -193,23 +193,19 @@ def make_group(
     connect_timeout_s: float,
     op_timeout_s: float,
     should_abort: Callable[[], bool] | None = None,
-    own_connection: bool = True,
 ) -> BroadcastGroup:
-    """Join epoch `epoch`'s group (blocks until all world_size ranks have joined, or raises
-    CollectiveError after `connect_timeout_s`). With `should_abort`, the connect runs in a
-    thread and this gives up as soon as it says so (a member left, the epoch was abandoned):
-    raises FormationAbandoned. A connect waiting on a key holds its store client's lock, so
-    whatever `should_abort` or its caller writes must use another client: with
-    `own_connection` the connect gets a new one (the learner, which writes the abort on its
-    own); without, the caller's `should_abort` reads on a client of its own (a receiver: a
-    connect on a cloned client missed its 5 s connect timeout in some tests on a loaded
-    machine, one on the receiver's own client never did)."""
+    """Join epoch `epoch`'s group over `store` (blocks until all world_size ranks have joined,
+    or raises CollectiveError after `connect_timeout_s`). With `should_abort`, the connect runs
+    in a thread and this gives up as soon as it says so (a member left, the epoch was
+    abandoned): raises FormationAbandoned. A connect waiting on a key holds its store client's
+    lock, so whatever `should_abort` or the caller's other threads write must use another
+    client, made ahead of time (`new_client`)."""
     connect = datetime.timedelta(seconds=connect_timeout_s)
     try:
         if should_abort is None:
             pg = _new_process_group(backend, PrefixStore(prefix, store), rank, world_size, connect)
         else:
-            scoped = PrefixStore(prefix, new_client(store) if own_connection else store)
+            scoped = PrefixStore(prefix, store)
             pg = _connect_abortably(backend, scoped, rank, world_size, connect, should_abort, epoch)
     except FormationAbandoned:
         raise
@@ -220,10 +216,13 @@ def make_group(
     return BroadcastGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, epoch=epoch)
 
 
-def new_client(store: Store) -> Store:
+def new_client(store: Store) -> TCPStore:
     """A new client connection to the same store (c10d's `Store.clone`, which torch's stubs
-    (2.13) do not list)."""
-    return store.clone()  # pyright: ignore[reportAttributeAccessIssue]
+    (2.13) do not list). Make it ahead of the moment it is needed: under CPU load a new
+    client's first operations (its connect, or its first wait inside a group's connect) took
+    5 s now and then, where a client in use for a while never did (docs/architecture.md,
+    "Weight sync")."""
+    return cast(TCPStore, store.clone())  # pyright: ignore[reportAttributeAccessIssue]
 
 
 class FormationAbandoned(CollectiveAborted):

@@ -189,6 +189,7 @@ class WeightReceiver:
         try:
             host, port = self.cfg.master_addr, self.cfg.master_port
             self._store = open_store(host, port, False, self.cfg.timeout_s, self._stop.is_set)
+            self._watch = new_client(self._store)  # made now: not on the way to a connect
             ctx = self.zmq_ctx or zmq.Context.instance()
             self._notices = NoticeListener(ctx, self._store.get(NOTICE_KEY).decode())
             endpoint = self.control_endpoint or self._store.get(CONTROL_KEY).decode()
@@ -357,13 +358,14 @@ class WeightReceiver:
                 prefix=epoch_key(ann.epoch, "pg", ""),
                 connect_timeout_s=self.cfg.ready_timeout_s,
                 op_timeout_s=self.cfg.publish_timeout_s,
-                should_abort=self._abandoned(ann.epoch, rank),
-                own_connection=False,  # `_abandoned` reads on the watch client
+                should_abort=self._abandoned(ann.epoch, rank),  # reads on the watch client
             )
         except FormationAbandoned as e:  # the learner gave the epoch up (a member left) or we stop
             log.info("weight receiver: %s", e)
-            # the abandoned connect still waits on its keys, holding this client's lock: a new one
-            self._store = cast(TCPStore, new_client(self._live_store()))
+            # the abandoned connect still waits on its keys, holding this client's lock: the
+            # watch client takes over, and a new one watches
+            self._store, self._watch = cast(TCPStore, self._watch_store()), None
+            self._watch = new_client(self._store)
             return
         except CollectiveError as e:
             self.failures += 1
