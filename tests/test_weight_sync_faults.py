@@ -227,6 +227,48 @@ def test_receiver_killed_between_publishes_is_not_waited_for_when_the_next_epoch
     assert victim.service_id not in env.broadcaster.membership.status().members
 
 
+class StopsAMemberAfterItConfirmed(WeightBroadcaster):
+    """SIGSTOPs `victim` right after it confirmed an epoch (so the epoch commits it): alive, so
+    no launcher LEAVEs for it, and silent, so the group's connect alone would wait for it until
+    its timeout."""
+
+    victim: ProbeProcess | None = None
+
+    def _await_ready(self, epoch, candidates):
+        ready = super()._await_ready(epoch, candidates)
+        victim, self.victim = self.victim, None
+        if victim is not None and victim.service_id in ready:
+            victim.kill(signal.SIGSTOP)
+        return ready
+
+
+def test_a_member_stopped_while_the_group_connects_is_left_out_after_its_heartbeat_stops(
+    env_factory, tmp_path
+):
+    """A member SIGSTOPped between confirming and connecting (a debugger, a swapped-out pod)
+    no longer holds the connect for `ready_timeout_s`: its heartbeat stops, the learner gives
+    the connect up after `liveness_timeout_s`, and the same publish forms the next epoch
+    without it; woken, it joins again."""
+    cfg = small_cfg(bucket_mb=1.0, publish_timeout_s=20, ready_timeout_s=40, liveness_timeout_s=2)
+    env = env_factory(cfg, broadcaster_cls=StopsAMemberAfterItConfirmed)
+    model = big_model()
+    probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
+    env.wait_members(3)
+    env.broadcaster.victim = probes[1]
+    t0 = time.monotonic()
+    stats = env.broadcaster.publish(1, model)
+    elapsed = time.monotonic() - t0
+    assert elapsed < cfg.ready_timeout_s / 4, f"waited {elapsed:.1f}s for the stopped member's connect"
+    assert stats.delivered and stats.members == 2
+    for p in (probes[0], probes[2]):
+        assert p.wait_version(1)["digest"] == model_digest(model)
+    probes[1].kill(signal.SIGCONT)
+    assert probes[1].wait_version(1)["digest"] == model_digest(model)
+    env.wait_members(3)
+    perturb(model)
+    assert env.broadcaster.publish(2, model).members == 3
+
+
 class KillsAMemberAfterItConfirmed(WeightBroadcaster):
     """Kills `victim` right after it confirmed an epoch (so the epoch commits it), and reports it
     dead the way a launcher does (LEAVE by pid) once the group is connecting: a member that died

@@ -70,7 +70,7 @@ from sluice.weight_sync.transfer_server import SnapshotServer
 
 log = logging.getLogger(__name__)
 
-_FORM_TRIES = 3  # epochs formed in a row while members leave during the connect
+_FORM_TRIES = 3  # epochs formed in a row while members leave or go silent during the connect
 
 
 class MembershipHost(Protocol):
@@ -606,7 +606,7 @@ class WeightBroadcaster:
                 return
 
     def _try_form_epoch(self) -> bool:
-        """False when a member left while the group connected (the epoch is abandoned)."""
+        """False when the group's connect was given up on (the epoch is abandoned)."""
         self._drop_group()
         self._broken = False
         self._force_full = True
@@ -633,6 +633,14 @@ class WeightBroadcaster:
         if not committed:
             log.info("weight sync: epoch %d has no members", epoch)
             return True
+        return self._connect_epoch(epoch, committed, backend)
+
+    def _connect_epoch(self, epoch: int, committed: list[Candidate], backend: str) -> bool:
+        """Form epoch `epoch`'s group with its committed members; False when the connect was
+        given up on (a member left, or its heartbeat stopped: SIGSTOPped or hung between
+        confirming and connecting) and the epoch abandoned."""
+        ranks = range(1, len(committed) + 1)
+        liveness = _Liveness(self._live_store(), epoch, ranks, self.cfg.liveness_timeout_s)
         try:
             self.group = make_group(
                 backend,
@@ -643,18 +651,34 @@ class WeightBroadcaster:
                 prefix=epoch_key(epoch, "pg", ""),
                 connect_timeout_s=self.cfg.ready_timeout_s,
                 op_timeout_s=self.cfg.publish_timeout_s,
-                should_abort=lambda: not all(self.membership.holds(c) for c in committed),
+                should_abort=lambda: not all(self.membership.holds(c) for c in committed) or liveness(),
             )
         except FormationAbandoned:
             self._connect_store = new_client(self._live_store())  # the abandoned connect holds the old
-            gone = [c.service_id for c in committed if not self.membership.holds(c)]
-            self._abandon_epoch(CollectiveAborted(f"{gone} left while the group connected"))
+            self._abandon_epoch(CollectiveAborted(self._why_abandoned(committed, liveness)))
             return False
         except CollectiveError as e:
             self._abandon_epoch(e)
             return True
-        log.info("weight sync: epoch %d formed with %s over %s", epoch, ids, backend)
+        log.info("weight sync: epoch %d formed with %s over %s", epoch, self._members, backend)
         return True
+
+    def _why_abandoned(self, committed: list[Candidate], liveness: _Liveness) -> str:
+        """Why a connect was given up on: members that left, or whose heartbeat stopped (a
+        member stopped between confirming and connecting: those are left out of the next
+        epoch at once, as after a publish)."""
+        gone = [c.service_id for c in committed if not self.membership.holds(c)]
+        silent = [committed[rank - 1] for rank in liveness.silent]
+        self._silent |= set(silent)
+        if silent:
+            log.warning(
+                "weight sync: epoch %d: no heartbeat from %s while the group connected",
+                self._committed_epoch,
+                [c.service_id for c in silent],
+            )
+        parts = [f"{gone} left"] if gone else []
+        parts += [f"{[c.service_id for c in silent]} went silent"] if silent else []
+        return f"{' and '.join(parts) or 'gave up'} while the group connected"
 
     def _begin_epoch(self) -> tuple[int, int, list[Candidate]]:
         """The next epoch's announcement seq, number and candidates: every registered service
