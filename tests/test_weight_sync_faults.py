@@ -227,6 +227,18 @@ def test_receiver_killed_between_publishes_is_not_waited_for_when_the_next_epoch
     assert victim.service_id not in env.broadcaster.membership.status().members
 
 
+def publish_past_the_lost_member(env: SyncEnv, model: torch.nn.Module, survivors) -> None:
+    """Publish version 1 while a member is lost between confirming and connecting: it reaches
+    the two `survivors` well within the connect timeout."""
+    t0 = time.monotonic()
+    stats = env.broadcaster.publish(1, model)
+    elapsed = time.monotonic() - t0
+    assert elapsed < env.cfg.ready_timeout_s / 4, f"waited {elapsed:.1f}s for the lost member's connect"
+    assert stats.delivered and stats.members == 2
+    for p in survivors:
+        assert p.wait_version(1)["digest"] == model_digest(model)
+
+
 class StopsAMemberAfterItConfirmed(WeightBroadcaster):
     """SIGSTOPs `victim` right after it confirmed an epoch (so the epoch commits it): alive, so
     no launcher LEAVEs for it, and silent, so the group's connect alone would wait for it until
@@ -255,13 +267,7 @@ def test_a_member_stopped_while_the_group_connects_is_left_out_after_its_heartbe
     probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
     env.wait_members(3)
     env.broadcaster.victim = probes[1]
-    t0 = time.monotonic()
-    stats = env.broadcaster.publish(1, model)
-    elapsed = time.monotonic() - t0
-    assert elapsed < cfg.ready_timeout_s / 4, f"waited {elapsed:.1f}s for the stopped member's connect"
-    assert stats.delivered and stats.members == 2
-    for p in (probes[0], probes[2]):
-        assert p.wait_version(1)["digest"] == model_digest(model)
+    publish_past_the_lost_member(env, model, survivors=(probes[0], probes[2]))
     probes[1].kill(signal.SIGCONT)
     assert probes[1].wait_version(1)["digest"] == model_digest(model)
     env.wait_members(3)
@@ -310,13 +316,7 @@ def test_a_member_that_dies_while_the_group_connects_is_not_waited_for(env_facto
     probes = [env.probe(f"rollout-{i}", tmp_path) for i in range(3)]
     env.wait_members(3)
     env.broadcaster.victim, env.broadcaster.launcher_control = probes[1], env.control_endpoint
-    t0 = time.monotonic()
-    stats = env.broadcaster.publish(1, model)
-    elapsed = time.monotonic() - t0
-    assert elapsed < cfg.ready_timeout_s / 4, f"waited {elapsed:.1f}s for the dead member's connect"
-    assert stats.delivered and stats.members == 2
-    for p in (probes[0], probes[2]):
-        assert p.wait_version(1)["digest"] == model_digest(model)
+    publish_past_the_lost_member(env, model, survivors=(probes[0], probes[2]))
     assert probes[1].service_id not in env.broadcaster.membership.status().members
     perturb(model)
     assert env.broadcaster.publish(2, model).members == 2  # the new epoch's group works on

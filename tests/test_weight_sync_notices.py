@@ -207,18 +207,25 @@ def test_a_listener_ignores_notices_of_another_shape(zmq_ctx):
         pub.close(linger=0)
 
 
-def test_a_member_takes_a_version_from_the_notices_alone(env_factory, monkeypatch):
-    """The announcement and its checksums come in the notices that follow their writes: a
-    member reads neither from the store (each read is a round trip on the path from a
-    publish to the first generation on it). With the fallback at 30 s the store is not
-    looked at while notices come; the fallback itself: the next test."""
-    monkeypatch.setattr(notices_module, "NOTICE_FALLBACK_S", 30.0)
+def member_at_version_1(env_factory):
+    """A learner's weight-sync side and one member that took version 1 (notices carry values
+    from then on)."""
     env = env_factory()
     env.broadcaster.publish(0, tiny_model())
     receiver = env.receiver("rollout-0")
     env.wait_members(1)
     assert env.broadcaster.publish(1, tiny_model(1)).delivered
     wait_version(receiver, 1)
+    return env, receiver
+
+
+def test_a_member_takes_a_version_from_the_notices_alone(env_factory, monkeypatch):
+    """The announcement and its checksums come in the notices that follow their writes: a
+    member reads neither from the store (each read is a round trip on the path from a
+    publish to the first generation on it). With the fallback at 30 s the store is not
+    looked at while notices come; the fallback itself: the next test."""
+    monkeypatch.setattr(notices_module, "NOTICE_FALLBACK_S", 30.0)
+    env, receiver = member_at_version_1(env_factory)
     store = CountingStore(receiver._store)
     receiver._store = store
     for version in (2, 3):
@@ -234,12 +241,7 @@ def test_without_carried_values_a_member_reads_the_store(env_factory, monkeypatc
     """Notices that stop carrying values (lost, or bare): the member looks at the store every
     NOTICE_FALLBACK_S, reads the announcement and the checksums there and takes the version
     all the same."""
-    env = env_factory()
-    env.broadcaster.publish(0, tiny_model())
-    receiver = env.receiver("rollout-0")
-    env.wait_members(1)
-    assert env.broadcaster.publish(1, tiny_model(1)).delivered
-    wait_version(receiver, 1)
+    env, receiver = member_at_version_1(env_factory)
     publisher = env.broadcaster.notices
     assert publisher is not None
     bare = publisher.notify
