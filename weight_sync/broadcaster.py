@@ -115,7 +115,8 @@ class _Liveness:
 
 class SilentMembers(CollectiveError):
     """Members of epoch `epoch` (by rank) whose heartbeat stopped for `liveness_timeout_s`
-    during a publish: crashed or hung. The next epoch is formed without them at once."""
+    during a publish or the group's connect: crashed or hung. The next epoch is formed without
+    them at once."""
 
     def __init__(self, message: str, epoch: int, ranks: list[int]) -> None:
         super().__init__(message)
@@ -655,7 +656,7 @@ class WeightBroadcaster:
             )
         except FormationAbandoned:
             self._connect_store = new_client(self._live_store())  # the abandoned connect holds the old
-            self._abandon_epoch(CollectiveAborted(self._why_abandoned(committed, liveness)))
+            self._abandon_epoch(self._connect_given_up(epoch, committed, liveness))
             return False
         except CollectiveError as e:
             self._abandon_epoch(e)
@@ -663,22 +664,16 @@ class WeightBroadcaster:
         log.info("weight sync: epoch %d formed with %s over %s", epoch, self._members, backend)
         return True
 
-    def _why_abandoned(self, committed: list[Candidate], liveness: _Liveness) -> str:
+    def _connect_given_up(self, epoch: int, committed: list[Candidate], liveness: _Liveness) -> Exception:
         """Why a connect was given up on: members that left, or whose heartbeat stopped (a
-        member stopped between confirming and connecting: those are left out of the next
-        epoch at once, as after a publish)."""
+        member stopped between confirming and connecting: SilentMembers, which
+        `_abandon_epoch` leaves out of the next epoch at once, as after a publish)."""
         gone = [c.service_id for c in committed if not self.membership.holds(c)]
-        silent = [committed[rank - 1] for rank in liveness.silent]
-        self._silent |= set(silent)
-        if silent:
-            log.warning(
-                "weight sync: epoch %d: no heartbeat from %s while the group connected",
-                self._committed_epoch,
-                [c.service_id for c in silent],
-            )
+        silent = [committed[rank - 1].service_id for rank in liveness.silent]
         parts = [f"{gone} left"] if gone else []
-        parts += [f"{[c.service_id for c in silent]} went silent"] if silent else []
-        return f"{' and '.join(parts) or 'gave up'} while the group connected"
+        parts += [f"{silent} went silent"] if silent else []
+        message = f"{' and '.join(parts) or 'gave up'} while the group connected"
+        return SilentMembers(message, epoch, liveness.silent) if silent else CollectiveAborted(message)
 
     def _begin_epoch(self) -> tuple[int, int, list[Candidate]]:
         """The next epoch's announcement seq, number and candidates: every registered service
@@ -721,7 +716,7 @@ class WeightBroadcaster:
     def _abandon_epoch(self, error: Exception) -> None:
         epoch = self.group.epoch if self.group is not None else self.membership.epoch
         log.warning("weight sync: epoch %d abandoned: %s", epoch, error)
-        if isinstance(error, SilentMembers) and self.group is not None and error.epoch == self.group.epoch:
+        if isinstance(error, SilentMembers) and error.epoch == self._committed_epoch:
             self._silent |= {self._committed[r - 1] for r in error.ranks if 0 < r <= len(self._committed)}
         self._live_store().set(epoch_key(epoch, "abort"), b"1")
         self._notify()

@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import zmq
@@ -45,7 +44,6 @@ from sluice.weight_sync.group import (
     CollectiveAborted,
     CollectiveError,
     FormationAbandoned,
-    Store,
     TCPStore,
     make_group,
     new_client,
@@ -122,7 +120,7 @@ class WeightReceiver:
         self._last_pull = 0.0
         self._last_beat = 0.0  # when _wait_once last bumped this member's heartbeat
         self._store: TCPStore | None = None
-        self._watch: Store | None = None  # see _watch_store
+        self._watch: TCPStore | None = None  # see _watch_store
         self._notices: NoticeListener | None = None  # the learner's store-change notices
         self._control: ControlClient | None = None
         self._thread = threading.Thread(target=self._run, name="weight-receiver", daemon=True)
@@ -130,11 +128,12 @@ class WeightReceiver:
     def start(self) -> None:
         self._thread.start()
 
-    def _watch_store(self) -> Store:
+    def _watch_store(self) -> TCPStore:
         """A second client of the learner's store, for the checks made while the first may be
-        held by a group's connect (which waits on keys holding its client's lock)."""
+        held by a group's connect (which waits on keys holding its client's lock). Made with
+        the first, not on the way to a connect (`new_client`)."""
         if self._watch is None:
-            self._watch = new_client(self._live_store())
+            raise RuntimeError("weight receiver: not connected to the learner's store")
         return self._watch
 
     def _live_store(self) -> TCPStore:
@@ -364,8 +363,8 @@ class WeightReceiver:
             log.info("weight receiver: %s", e)
             # the abandoned connect still waits on its keys, holding this client's lock: the
             # watch client takes over, and a new one watches
-            self._store, self._watch = cast(TCPStore, self._watch_store()), None
-            self._watch = new_client(self._store)
+            watch = self._watch_store()
+            self._store, self._watch = watch, new_client(watch)
             return
         except CollectiveError as e:
             self.failures += 1
