@@ -298,7 +298,8 @@ class ActorLoop:
         return poll
 
     def _catch_up(self, link: PolicyLink, version: int) -> bool:
-        """Wait until `link`'s weights of `version` (the newest published) have arrived; False
+        """Wait until `link`'s weights of `version` (the newest published, or the newest
+        announced to its receiver when the grant came ahead of its report) have arrived; False
         when stopping, or when they did not come within `weight_sync.publish_timeout_s` (the
         caller refunds its grant, so a receiver that missed a version never holds quota)."""
         self._apply_new_weights()
@@ -350,7 +351,7 @@ class ActorLoop:
             )
             link.weights.observe(reply.weights_version)
             if reply.granted:
-                if not self.wait_for_published:
+                if not (self.wait_for_published or reply.ahead):
                     self._apply_new_weights()
                 elif not self._catch_up(link, reply.weights_version):
                     link.control.refund(self.control_id, reply.granted)

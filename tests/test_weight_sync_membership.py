@@ -198,3 +198,40 @@ def test_a_grant_follows_the_asking_services_own_verified_version(control):
     assert client.admit("rollout-1.b", 8, 4, member="rollout-1").granted == 0  # v1's quota is used
     server.set_published(1)
     assert client.admit("rollout-1.b", 8, 4).granted == 0  # published v1: 16 started of 16
+
+
+def test_a_member_of_the_epoch_is_granted_on_a_version_once_it_is_announced(control):
+    """Batch 8, max_staleness 0. A member of the current epoch is sent every announced version
+    and takes it before it generates, so its parked ADMIT is answered when the learner announces
+    v1, with weights_version 1, before its receiver reports anything. One still pending (not in
+    the epoch the announcement goes to) waits for its own report or the publish."""
+    server, client = control
+    membership = Membership()
+    server.attach_membership(membership)
+    client.join("rollout-0", "inc-a", -1)
+    _, _, candidates = membership.begin_epoch()
+    membership.commit_epoch(candidates, dropped=[])
+    client.join("rollout-1", "inc-b", -1)  # after the epoch: pending
+    assert client.admit("rollout-0.a", 8, 4, member="rollout-0").granted == 8  # v0's quota used up
+    asked: list = []
+
+    def ask() -> None:
+        own = ControlClient(server.endpoint, timeout_s=5)
+        try:
+            asked.append(own.admit("rollout-0.a", 8, 4, wait_ms=60_000, member="rollout-0"))
+        finally:
+            own.close()
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    wait_until(lambda: len(server._parked) == 1, 10, "the ADMIT parked", interval_s=0.005)
+    membership.next_seq(1)  # the learner announces v1: no report from anyone
+    thread.join(timeout=10)
+    assert asked and (asked[0].granted, asked[0].weights_version, asked[0].ahead) == (8, 1, True)
+    assert membership.admissible("rollout-0") == 1 and membership.verified("rollout-0") == -1
+    assert membership.admissible("rollout-1") == -1  # pending: its own report decides
+    membership.next_seq(2)
+    assert client.admit("rollout-1.b", 8, 4, member="rollout-1").granted == 0  # follows v0
+    client.sync_report("rollout-1", "inc-b", epoch=1, version=2, outcome="ok")
+    reply = client.admit("rollout-1.b", 8, 4, member="rollout-1")  # on its own v2: not ahead
+    assert (reply.granted, reply.weights_version, reply.ahead) == (8, 2, False)

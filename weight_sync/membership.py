@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal
 
@@ -71,6 +71,7 @@ class Membership:
         self.shutting_down = False  # the shutdown announcement's seq is taken: JOINs are turned away
         self._problems: list[SyncReportRequest] = []
         self.counters: Counter[str] = Counter()
+        self._on_announce: Callable[[], None] = lambda: None
 
     # -- control-server thread -----------------------------------------------------------------
 
@@ -153,10 +154,15 @@ class Membership:
     # -- learner thread ------------------------------------------------------------------------
 
     def next_seq(self, version: int = -1) -> int:
-        """The next announcement's seq; `version`: the weights it announces (-1: none)."""
+        """The next announcement's seq; `version`: the weights it announces (-1: none). A newer
+        version calls the `watch_announcements` callback (admission may grant on it)."""
         with self._lock:
+            newer = version > self.announced_version
             self.announced_version = max(self.announced_version, version)
-            return self._take_seq()
+            seq = self._take_seq()
+        if newer:
+            self._on_announce()
+        return seq
 
     def shutdown_seq(self) -> int:
         """The shutdown announcement's seq; every JOIN from now on is answered `shutting_down`."""
@@ -227,6 +233,21 @@ class Membership:
         ):
             return None
         return m
+
+    def watch_announcements(self, callback: Callable[[], None]) -> None:
+        """`callback()` after each newer version is announced (from the announcing thread)."""
+        self._on_announce = callback
+
+    def admissible(self, service_id: str) -> int:
+        """The weights version work admitted for `service_id` is generated with at least: the
+        newest announced where it is a member of the current epoch (the announcement is sent
+        to it, and its service takes those weights before it generates: `_catch_up` in
+        rollout_svc/actor.py), else the newest it reported verified (-1: none, or unknown)."""
+        with self._lock:
+            m = self._members.get(service_id)
+            if m is not None and m.state == "member":
+                return max(self.announced_version, self.published_version)
+        return self.verified(service_id)
 
     def verified(self, service_id: str) -> int:
         """The newest version `service_id`'s current incarnation reported verified (-1: none,

@@ -6,12 +6,14 @@ AReaL's rule, over all rollout services together: a sample may start only while
 
 where `started` counts every sample ever admitted (minus refunds) and `v` is the version the
 admitted work is generated with at least: the newest published weights (every receiver has
-them), or the asking service's own newest verified version where that is newer (the control
-server decides which, `ControlServer._weights_for`). The learner consumes `batch_size`
-samples per version, so, consumed in admission order, a sample admitted under this rule is
-consumed at the latest at version v + max_staleness: it is never too stale, and rollouts
-pause instead of generating samples that would be dropped. (A straggler overtaken by faster
-services can still age past the bound; the learner's `min_version` filter catches it.)
+them), or, where newer, the newest announced to the asking service's receiver (a member of the
+current epoch) or reported verified by it (the control server decides which,
+`ControlServer._weights_for`; the service takes those weights before it generates). The
+learner consumes `batch_size` samples per version, so, consumed in admission order, a sample
+admitted under this rule is consumed at the latest at version v + max_staleness: it is never
+too stale, and rollouts pause instead of generating samples that would be dropped. (A
+straggler overtaken by faster services can still age past the bound; the learner's
+`min_version` filter catches it.)
 
 Quota comes back when admitted samples will never be consumed: refunds (a service aborted or
 filtered them), `release` (the buffer or the learner dropped them as stale), and `forget` (the

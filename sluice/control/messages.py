@@ -128,6 +128,9 @@ class AdmitReply(_Reply, tag="ADMIT"):
     version: int = 0  # learner version when granting
     weights_version: int = 0  # newest published weights: admitted work must use weights >= this
     retry_after_ms: int = 0  # when granted < n: ask again after this long
+    # W: server: weights_version was announced to the asking member, which has not reported it
+    # verified yet. R: rollout: take those weights (wait for them) before generating the grant
+    ahead: bool = False
 
 
 class RefundReply(_Reply, tag="REFUND"):

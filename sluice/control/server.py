@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, overload
 
 import msgspec
@@ -88,8 +88,17 @@ class MembershipRegistry(Protocol):
         """Epoch, members and counters for STATUS."""
         ...
 
+    def admissible(self, service_id: str) -> int:
+        """The weights version work admitted for member `service_id` is generated with at least
+        (-1: none known)."""
+        ...
+
     def verified(self, service_id: str) -> int:
         """The newest version member `service_id` reported verified (-1: none)."""
+        ...
+
+    def watch_announcements(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` whenever newer weights are announced."""
         ...
 
 
@@ -176,6 +185,7 @@ class ControlServer:
         registry does its own locking; STATUS then reports it too)."""
         with self._lock:
             self._membership = registry
+        registry.watch_announcements(self._wake)  # parked ADMITs may be granted on them
 
     def update_learner(self, stats: dict[str, float]) -> None:
         with self._lock:
@@ -353,15 +363,24 @@ class ControlServer:
             version=self._version,
             weights_version=weights,
             retry_after_ms=0 if granted >= req.n or req.wait_ms > 0 else self.retry_after_ms,
+            ahead=weights > self._held_by(req),
         )
         return self._remember(req, reply) if granted else reply
 
     def _weights_for(self, req: AdmitRequest) -> int:
         """Under the lock: the weights version `req`'s work will be generated with at least.
-        The published one (every member verified it), or newer where the asking service's own
-        receiver has reported a newer one verified: it takes its newest weights before it
-        generates, so its grant need not wait for the slowest member (docs/architecture.md,
-        "Where a version's first generation waits")."""
+        The published one (every member verified it), or newer where the asking service's
+        receiver is sent a newer one (a member of the current epoch: the version announced) or
+        reported one verified: the service takes its newest weights before it generates, so
+        its grant waits neither for the slowest member nor for its own report
+        (docs/architecture.md, "Where a version's first generation waits")."""
+        if not req.member or self._membership is None:
+            return self._published
+        return max(self._published, self._membership.admissible(req.member))
+
+    def _held_by(self, req: AdmitRequest) -> int:
+        """Under the lock: the newest weights the asking service is known to hold: published,
+        or its own receiver's newest reported verified."""
         if not req.member or self._membership is None:
             return self._published
         return max(self._published, self._membership.verified(req.member))
