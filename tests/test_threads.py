@@ -125,6 +125,40 @@ def test_the_training_thread_is_pinned_and_its_helpers_are_swept_to_the_shared_c
     assert out.stdout.split("\n")[:2] == ["[0] [1] [0] [1]", "[0] [1]"]
 
 
+SWAP_CHILD = """
+import os, threading, time
+from sluice.launch.threads import FULL_SWEEP_EVERY_S, SWEEP_EVERY_S, ComputePinning, apply_placement
+apply_placement()
+pinning = ComputePinning()
+pinning.pin(1)
+short = threading.Thread(target=time.sleep, args=(0.3,)); short.start()  # on the compute core
+time.sleep(SWEEP_EVERY_S)
+pinning.sweep()  # the count moved: listed, the short thread moved
+short.join()
+stop = threading.Event(); tid = []
+swap = threading.Thread(target=lambda: (tid.append(threading.get_native_id()), stop.wait())); swap.start()
+while not tid:
+    time.sleep(0.01)
+time.sleep(SWEEP_EVERY_S)
+pinning.sweep()  # one ended, one started: the count is as listed, no listdir
+kept = sorted(os.sched_getaffinity(tid[0]))
+time.sleep(FULL_SWEEP_EVERY_S)
+pinning.sweep()  # a full look, whatever the count
+print(kept, sorted(os.sched_getaffinity(tid[0])))
+stop.set()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_thread_started_as_another_ended_is_swept_at_the_next_full_look():
+    """The sweep lists the threads only when their count moved, and at least every
+    FULL_SWEEP_EVERY_S: a swap that leaves the count equal waits for the full look."""
+    env = {**os.environ, "SLUICE_CPUS": "1", "SLUICE_COMPUTE_CPUS": "0"}
+    out = subprocess.run([sys.executable, "-c", SWAP_CHILD], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0] [1]"
+
+
 @pytest.mark.parametrize(("priority", "expected"), [("10", "[10] [0] True"), ("idle", "[0] [5] True")])
 def test_a_role_that_yields_runs_every_thread_at_the_lower_priority(priority, expected):
     child = (

@@ -46,8 +46,11 @@ COMPUTING_PRIORITY = IDLE
 # task soon, where SCHED_IDLE (or SCHED_BATCH) would wait for it.
 SERVING_PRIORITY = "10"
 
-# How often, at most, a learner rank looks for threads started on its training cores.
+# How often, at most, a learner rank looks for threads started on its training cores: a look is
+# one stat of its thread directory (the thread count), and a listdir only when the count moved
+# or FULL_SWEEP_EVERY_S has passed (a thread that ended as another started leaves it equal).
 SWEEP_EVERY_S = 0.25
+FULL_SWEEP_EVERY_S = 2.0
 
 # A CPU rollout service decodes small batches one token at a time: more services scale its
 # throughput, intra-op threads barely do (measured: docs/architecture.md).
@@ -199,6 +202,8 @@ class ComputePinning:
         self.shared = _cpu_set(CPUS_ENV)
         self._known: set[int] = set()
         self._swept_at = -math.inf
+        self._listed_at = -math.inf
+        self._count = 0  # threads at the last listdir
 
     def pin(self, threads: int) -> None:
         import torch
@@ -219,13 +224,20 @@ class ComputePinning:
     def sweep(self) -> None:
         """Threads started since the last look go to the shared cores. Called every step, it
         looks at most every SWEEP_EVERY_S: one listdir of the process's threads took ~0.45 ms,
-        ~1% of a vs_trl step (py-spy), and threads start rarely once the run is going."""
+        ~1% of a vs_trl step (py-spy), and threads start rarely once the run is going. It lists
+        them only when their count moved (or after FULL_SWEEP_EVERY_S): CPython lets the GIL go
+        around each entry a listdir reads, and a helper taking it there made the training
+        thread wait ~11 times a second (perf, docs/architecture.md "Cores and threads")."""
         if self.shared is None or not self._known:
             return
         now = time.monotonic()
         if now - self._swept_at < SWEEP_EVERY_S:
             return
         self._swept_at = now
+        count = _thread_count()
+        if count == self._count and now - self._listed_at < FULL_SWEEP_EVERY_S:
+            return
+        self._listed_at, self._count = now, count
         new = _thread_ids() - self._known
         for tid in new:
             _set_affinity(tid, self.shared)
@@ -242,6 +254,11 @@ def thread_sleeps() -> int:
 
 def _thread_ids() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def _thread_count() -> int:
+    """Threads of this process: one stat (a /proc/<pid>/task directory links each thread)."""
+    return os.stat("/proc/self/task").st_nlink - 2
 
 
 def _set_affinity(tid: int, cpus: set[int]) -> None:
