@@ -163,6 +163,24 @@ def test_epoch_backend_follows_every_members_device(configured, learner, members
     assert epoch_backend(configured, learner, members) == want
 
 
+def _parked_admit(server, member: str) -> tuple[threading.Thread, list]:
+    """An ADMIT of 8 by `member`'s service (`<member>.a`), long-polled on its own client until
+    the server parks it. Returns the thread asking and the list its reply lands in."""
+    asked: list = []
+
+    def ask() -> None:
+        own = ControlClient(server.endpoint, timeout_s=5)
+        try:
+            asked.append(own.admit(f"{member}.a", 8, 4, wait_ms=60_000, member=member))
+        finally:
+            own.close()
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    wait_until(lambda: len(server._parked) == 1, 10, "the ADMIT parked", interval_s=0.005)
+    return thread, asked
+
+
 def test_a_grant_follows_the_asking_services_own_verified_version(control):
     """Batch 8, max_staleness 0: quota is 8 per version. A service whose own receiver verified
     v1 is admitted on v1 at once, before every member has it (published is still 0); one that
@@ -175,18 +193,7 @@ def test_a_grant_follows_the_asking_services_own_verified_version(control):
     client.join("rollout-1", "inc-b", -1)
     assert client.admit("rollout-0.a", 8, 4, member="rollout-0").granted == 8  # v0's quota used up
     membership.next_seq(1)  # the learner announces v1 ...
-    asked: list = []
-
-    def ask() -> None:  # ... while rollout-0 long-polls for more
-        own = ControlClient(server.endpoint, timeout_s=5)
-        try:
-            asked.append(own.admit("rollout-0.a", 8, 4, wait_ms=60_000, member="rollout-0"))
-        finally:
-            own.close()
-
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    wait_until(lambda: len(server._parked) == 1, 10, "the ADMIT parked", interval_s=0.005)
+    thread, asked = _parked_admit(server, "rollout-0")  # ... while rollout-0 long-polls for more
     client.sync_report("rollout-0", "inc-a", epoch=0, version=1, outcome="ok")  # its receiver has v1
     thread.join(timeout=10)
     assert asked and asked[0].granted == 8 and asked[0].weights_version == 1
@@ -213,18 +220,7 @@ def test_a_member_of_the_epoch_is_granted_on_a_version_once_it_is_announced(cont
     membership.commit_epoch(candidates, dropped=[])
     client.join("rollout-1", "inc-b", -1)  # after the epoch: pending
     assert client.admit("rollout-0.a", 8, 4, member="rollout-0").granted == 8  # v0's quota used up
-    asked: list = []
-
-    def ask() -> None:
-        own = ControlClient(server.endpoint, timeout_s=5)
-        try:
-            asked.append(own.admit("rollout-0.a", 8, 4, wait_ms=60_000, member="rollout-0"))
-        finally:
-            own.close()
-
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    wait_until(lambda: len(server._parked) == 1, 10, "the ADMIT parked", interval_s=0.005)
+    thread, asked = _parked_admit(server, "rollout-0")
     membership.next_seq(1)  # the learner announces v1: no report from anyone
     thread.join(timeout=10)
     assert asked and (asked[0].granted, asked[0].weights_version, asked[0].ahead) == (8, 1, True)
