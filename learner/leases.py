@@ -1,8 +1,9 @@
 """Exactly-once consumption across learner crashes: which leases are trained but not ACKed.
 
 The rule: a lease is ACKed only once a checkpoint that contains the effect of training on it
-is on disk (with checkpoints off, right after the step: sent by learner/acks.py's worker while
-the next step trains, the step's ids held as `in_flight` until the replies are applied). So:
+is on disk (with checkpoints off, right after the step: they ride on the first GET of the batch
+after next, learner/source.py, the step's ids held as `in_flight` until that batch brings
+the outcome back). So:
 - crash before that checkpoint: the leases are not ACKed, they expire at the shard and are
   redelivered; the learner resumes from a state that never saw them and trains on them once.
 - crash after the checkpoint, before or during the ACKs: the checkpoint lists those leases
@@ -43,7 +44,7 @@ class StepLeases:
 class LeaseLedger:
     pending: list[StepLeases] = field(default_factory=list)
     skip_ids: set[str] = field(default_factory=set)
-    # steps whose ACKs are on their way (sent by another thread, `detach`), not yet `apply`d
+    # steps whose ACKs are on their way (on a prefetched GET, `detach`), not yet `apply`d
     in_flight: list[StepLeases] = field(default_factory=list)
 
     def filter(self, trajs: Sequence[Trajectory]) -> tuple[list[Trajectory], list[str]]:
@@ -134,7 +135,7 @@ class LeaseLedger:
 def ack_steps(client: BufferClient, steps: Sequence[StepLeases]) -> list[tuple[int, bool]]:
     """ACK every lease of `steps`: per step, (trajectories ACKed, whether every lease was still
     there; one may be gone: expired, or its shard restarted). Touches only `client`, so it may
-    run on another thread than the ledger's."""
+    run on another thread than the ledger's (the batch prefetch's)."""
     out: list[tuple[int, bool]] = []
     for step in steps:
         acked, whole = 0, True

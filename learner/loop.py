@@ -29,7 +29,6 @@ from sluice.control.admission import AdmissionPolicy
 from sluice.control.server import ControlServer, samples_by_service
 from sluice.launch.heap import freeze_startup_heap, retain_freed_memory
 from sluice.launch.threads import ComputePinning, role_threads, thread_sleeps
-from sluice.learner.acks import BackgroundAcks
 from sluice.learner.balance import assign_to_ranks
 from sluice.learner.checkpoint import load_rng, mark_acked, read_state, resolve_resume, save_checkpoint
 from sluice.learner.dist import DistContext, init_dist, pick_device
@@ -123,10 +122,6 @@ class Learner:
         self.ledger = LeaseLedger.from_state(state.get("leases", {}))
         if resumed:
             self._settle_resumed(state)
-        endpoints = cfg.buffer.all_endpoints()
-        self.acks = BackgroundAcks(
-            self.ledger, lambda: BufferClient(endpoints, ctx=client_ctx, should_abort=self.stop.is_set)
-        )
         admission = AdmissionPolicy(lc.batch_size, lc.max_staleness, started=self._admitted_already())
         self.control = ControlServer(
             cfg.control.bind_endpoint,
@@ -264,14 +259,15 @@ class Learner:
         if fetched is None:
             return None, [STOP, 0], None
         assert fetched.version == self.version
+        self._settled(fetched)
         # Newer than this learner: generated, before a crash, by weights the resumed learner
         # never made (its checkpoint is older). Its versions will be made again, differently.
         current = fetched.current()
         fresh = [t for t in current if t.version >= fetched.min_version]
         trainable, skipped = self.ledger.filter(fresh)
         next_version = self.version + 1 if trainable else self.version
-        if next_version < lc.total_steps:
-            self.source.request(next_version)  # prefetch while this step trains
+        if next_version < lc.total_steps:  # prefetch while this step trains; ACK what is due
+            self.source.request(next_version, self.ledger.detach() if lc.checkpoint_every == 0 else [])
         due = lc.checkpoint_every > 0 and (
             (bool(trainable) and next_version % lc.checkpoint_every == 0)
             or self.ledger.oldest_age() > self.cfg.buffer.lease_timeout_s / 2
@@ -306,9 +302,17 @@ class Learner:
             log.info("mean return of the last %d episodes reached %.1f: stopping", len(self.returns), target)
         return self.stop.is_set() or reached
 
+    def _settled(self, fetched: FetchedBatch) -> None:
+        """Apply what the ACKs that rode on `fetched`'s first GET found. Ids whose lease was gone
+        (a shard restarted, a lease expired) are queued again after being consumed: admission
+        counts them as started again (without it: 1,152 extra samples of quota after a shard
+        kill, a stale surge of 64-704 drops a step to the end)."""
+        if fetched.settled:
+            self.control.charge(len(self.ledger.apply(fetched.settled, fetched.ack_outcomes)[1]))
+
     def consumed(self, step: StepBatch) -> None:
-        """Rank 0: the step's leases join the ledger; their ACKs go out now (on the ACK worker,
-        learner/acks.py) unless checkpoints hold them."""
+        """Rank 0: the step's leases join the ledger. With checkpoints off their ACKs ride on
+        the GET of the batch after next (learner/source.py), else they wait for a checkpoint."""
         if not self.dist.is_main:
             return
         fetched = step.rank0_fetched()
@@ -332,16 +336,13 @@ class Learner:
                     "dropped": [t.traj_id for t in fetched.leased.trajs if t.traj_id not in used],
                 }
             )
-        if self.cfg.learner.checkpoint_every == 0:  # sent while the next step trains
-            self.control.charge(len(self.acks.send()))
 
     def _ack_trained(self) -> list[str]:
-        """ACK the ledger's leases (those in flight first). Ids whose lease was gone (a shard
-        restarted, a lease expired) are queued again after being consumed: admission counts
-        them as started again (without it: 1,152 extra samples of quota after a shard kill, a
-        stale surge of 64-704 drops a step to the end). Returns those ids."""
-        lost = self.acks.collect()
-        lost += self.ledger.settle(self.buffer)[1]
+        """ACK the ledger's leases, those sent on a GET whose batch never came back too (ACK
+        is idempotent). Ids whose lease was gone are charged again, as in `_settled`. Returns
+        those ids."""
+        self.ledger.undo(list(self.ledger.in_flight))
+        lost = self.ledger.settle(self.buffer)[1]
         self.control.charge(len(lost))
         return lost
 
@@ -442,7 +443,6 @@ class Learner:
             # plane and rollouts leave their loops before the control server disappears.
             self.broadcaster.close()
             self.source.close()
-            self.acks.close()
             self.control.close()
             self.buffer.close()
             if self.audit is not None:

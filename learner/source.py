@@ -1,10 +1,15 @@
 """Rank 0's batch source: leases the next batch from the buffer while the current step trains.
 
 Rules:
-- `request(version)` asks for the batch the learner will consume at `version`: whole groups
-  until `batch_size` trajectories not newer than `version`, each GET with min_version =
+- `request(version, settle)` asks for the batch the learner will consume at `version`: whole
+  groups until `batch_size` trajectories not newer than `version`, each GET with min_version =
   version - max_staleness (the shard drops older groups). Only one batch is ever in flight:
   the next one.
+- `settle`: trained steps whose leases are ACKed on the batch's first GET (one round trip for
+  both; learner/leases.py says when a step may be ACKed). What the ACKs found comes back with
+  the batch (`FetchedBatch.settled`, `ack_outcomes`) for the ledger. A lease gone by then fails
+  that GET as a whole (UNKNOWN_LEASE): the steps are then ACKed lease by lease (ACK is
+  idempotent) to learn which step lost one, and the GET goes again.
 - Trajectories newer than `version` (a lost lineage: made, before a crash, by weights the
   resumed learner never made) are leased with the batch but not counted toward it: the batch is
   topped up past them. Their admission quota goes back as each GET brings them (`on_dropped`,
@@ -36,6 +41,7 @@ import zmq
 from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.buffer.holder import Holder
 from sluice.config.learner import LearnerConfig
+from sluice.learner.leases import StepLeases, ack_steps
 from sluice.trajectory import Trajectory
 
 
@@ -47,6 +53,8 @@ class FetchedBatch:
     leased_at: float  # monotonic time of the first GET
     fetch_s: float  # time spent completing it (GETs and long polls)
     gets: int = 0  # BufferClient.get calls it took
+    settled: list[StepLeases] = field(default_factory=list)  # steps ACKed on its first GET ...
+    ack_outcomes: list[tuple[int, bool]] = field(default_factory=list)  # ... as `ack_steps` says
 
     @property
     def lost_lineage(self) -> int:
@@ -113,7 +121,7 @@ class BatchSource:
         self.lc = lc
         self.stop = stop
         self._cond = threading.Condition()
-        self._wanted: int | None = None
+        self._wanted: tuple[int, list[StepLeases]] | None = None  # (version, steps to ACK)
         self._ready: FetchedBatch | None = None
         self._error: BaseException | None = None
         self._closing = False
@@ -125,17 +133,17 @@ class BatchSource:
         else:
             self._client = BufferClient(endpoints, ctx=ctx, holder=holder, should_abort=stop.is_set)
 
-    def request(self, version: int) -> None:
+    def request(self, version: int, settle: list[StepLeases] | None = None) -> None:
         with self._cond:
             assert self._wanted is None and self._ready is None, "one batch in flight at a time"
-            self._wanted = version
+            self._wanted = (version, list(settle or []))
             self._cond.notify_all()
 
     def take(self) -> FetchedBatch | None:
         if self._thread is None:
-            version, self._wanted = self._wanted, None
-            assert version is not None and self._client is not None, "request() first"
-            return self._fetch(self._client, version)
+            wanted, self._wanted = self._wanted, None
+            assert wanted is not None and self._client is not None, "request() first"
+            return self._fetch(self._client, *wanted)
         with self._cond:
             while self._ready is None and self._error is None:
                 if self.stop.is_set():
@@ -160,25 +168,28 @@ class BatchSource:
     def _stopping(self) -> bool:
         return self.stop.is_set() or self._closing
 
-    def _fetch(self, client: BufferClient, version: int) -> FetchedBatch | None:
+    def _fetch(self, client: BufferClient, version: int, settle: list[StepLeases]) -> FetchedBatch | None:
         lc = self.lc
         min_version = version - lc.max_staleness
         batch = _Assembly()
         t0 = time.perf_counter()
-        gets = 0
+        gets, outcomes = 0, None  # outcomes: what the ACKs of `settle` found, once sent
         while batch.usable < lc.batch_size:
             if self._stopping():
                 self._give_back(client, batch.leased, batch.newer)
                 return None
             if batch.leased.leases and time.monotonic() - batch.leased_at > self.lease_timeout_s / 2:
                 batch = self._start_over(client, batch)  # too old to keep waiting on
-            part = client.get(
-                lc.batch_size - batch.usable,
-                min_version=min_version,
-                policy_id=self.policy_id,
-                wait_ms=lc.get_wait_ms,
-            )
+            want = lc.batch_size - batch.usable
+            if settle and outcomes is None:
+                part, outcomes = self._get_settling(client, want, min_version, settle)
+            else:
+                part = client.get(
+                    want, min_version=min_version, policy_id=self.policy_id, wait_ms=lc.get_wait_ms
+                )
             gets += 1
+            if part is None:
+                continue
             held = {t.traj_id for t in batch.leased.trajs}
             if any(t.traj_id in held for t in part.trajs):
                 # A lease of this batch is gone (its shard restarted, or it expired) and its
@@ -186,8 +197,32 @@ class BatchSource:
                 batch = self._start_over(client, batch)
             self._add(batch, part, version)
         return FetchedBatch(
-            version, min_version, batch.leased, batch.leased_at, time.perf_counter() - t0, gets
-        )
+            version, min_version, batch.leased, batch.leased_at, time.perf_counter() - t0, gets,
+            settle if outcomes is not None else [], outcomes or [],
+        )  # fmt: skip
+
+    def _get_settling(
+        self, client: BufferClient, want: int, min_version: int, settle: list[StepLeases]
+    ) -> tuple[LeasedBatch | None, list[tuple[int, bool]]]:
+        """The batch's first GET, ACKing `settle`'s leases first: (what it leased, `ack_steps`'s
+        outcome per step). A lease gone fails the whole GET (after the others are ACKed and what
+        it leased is given back): then every lease is ACKed again on its own to tell which step
+        lost one, and nothing is leased (None)."""
+        leases = LeasedBatch(leases=[lease for step in settle for lease in step.leases])
+        try:
+            part = client.get(
+                want,
+                min_version=min_version,
+                policy_id=self.policy_id,
+                wait_ms=self.lc.get_wait_ms,
+                ack=leases,
+            )
+        except BufferError as e:
+            if e.code != "UNKNOWN_LEASE":
+                raise
+            return None, ack_steps(client, settle)
+        # every lease was there, so each step's ACK deleted every trajectory it leased
+        return part, [(len(step.traj_ids), True) for step in settle]
 
     def _add(self, batch: _Assembly, part: LeasedBatch, version: int) -> None:
         """Add a GET's part to the batch; release the quota of what it will not train."""
@@ -223,10 +258,10 @@ class BatchSource:
                         self._cond.wait(timeout=0.5)
                     if self._closing:
                         break
-                    version, self._wanted = self._wanted, None
-                if version is None:  # the wait above ends only on a request or on closing
+                    wanted, self._wanted = self._wanted, None
+                if wanted is None:  # the wait above ends only on a request or on closing
                     raise RuntimeError("batch prefetch woke with no batch requested")
-                fetched = self._fetch(client, version)
+                fetched = self._fetch(client, *wanted)
                 with self._cond:
                     if fetched is not None and self._closing:
                         self._give_back(client, fetched.leased, fetched.lost_lineage)
