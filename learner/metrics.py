@@ -4,7 +4,10 @@ Rank 0 of each learner group writes `metrics/learner[-<policy>].jsonl` and Tenso
 rank serves Prometheus. On resume from version c the JSONL keeps its lines up to c (later
 lines belong to a lineage that was lost) and TensorBoard purges steps after c, so the
 metrics continue where the checkpoint did. JSONL lines and TensorBoard scalars are written by
-a thread of their own: building ~35 TensorBoard events took ~8% of a tiny model's step.
+a thread of their own: building ~35 TensorBoard events took ~8% of a tiny model's step. It
+wakes every WRITE_EVERY_S and writes what the steps queued since, not once a step: each of its
+wake-ups and writes was a hand-over of the GIL the training thread then waited to take back
+(docs/architecture.md, "Cores and threads").
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from sluice.config.policy import learner_role, role_suffix
 from sluice.config.run import RunConfig
 from sluice.metrics import JsonlLog, PrometheusEndpoint, read_jsonl, record_endpoint
 from sluice.tb_events import EventWriter
+
+WRITE_EVERY_S = 0.25  # how often the writer wakes; `flush` and `close` wake it at once
 
 # Exported as Prometheus gauges sluice_learner_<name>.
 PROM_GAUGES = {
@@ -75,6 +80,7 @@ class LearnerMetrics:
                 purge = resumed_at + 1 if resumed_at is not None else None
                 self.tb = EventWriter(cfg.run_dir / f"tb{suffix}", purge_step=purge)
         self._records: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
+        self._wake = threading.Event()
         self._writer = threading.Thread(target=self._write_loop, name="learner-metrics", daemon=True)
         if rank == 0:
             self._writer.start()
@@ -97,47 +103,66 @@ class LearnerMetrics:
     def _write_loop(self) -> None:
         if self.log is None:
             raise RuntimeError("the metrics writer runs on rank 0 only (the rank with the log)")
-        while (item := self._records.get()) is not None:
+        closing = False
+        while not closing:
+            self._wake.wait(WRITE_EVERY_S)
+            self._wake.clear()
+            items = _drain(self._records)
+            closing = None in items
             try:
-                self._write(*item)
+                self._write([item for item in items if item is not None])
             finally:
-                self._records.task_done()
-        self._records.task_done()
+                for _ in items:
+                    self._records.task_done()
 
-    def _write(self, version: int, record: dict[str, Any]) -> None:
+    def _write(self, items: list[tuple[int, dict[str, Any]]]) -> None:
         assert self.log is not None
-        if version % self.cfg.learner.log_every == 0:
-            self.log.write(record)
+        self.log.write_many(
+            [record for version, record in items if version % self.cfg.learner.log_every == 0]
+        )
         if self.tb is None:
             return
-        scalars = {
-            f"learner/{k}": v
-            for k, v in record.items()
-            if isinstance(v, (int, float)) and k not in ("time", "version")
-        }
-        for lag, count in enumerate(record.get("staleness_hist", [])):
-            scalars[f"staleness/lag_{lag}"] = count
-        # One event with every scalar of the step, framed with a native CRC: this thread shares
-        # the GIL with the training thread, and 35 add_scalar calls cost ~1 ms of Python a step
-        # against ~0.1 ms (sluice/tb_events.py; docs/architecture.md).
-        self.tb.add_scalars(scalars, version)
+        for version, record in items:
+            scalars = {
+                f"learner/{k}": v
+                for k, v in record.items()
+                if isinstance(v, (int, float)) and k not in ("time", "version")
+            }
+            for lag, count in enumerate(record.get("staleness_hist", [])):
+                scalars[f"staleness/lag_{lag}"] = count
+            # One event with every scalar of the step, framed with a native CRC: this thread
+            # shares the GIL with the training thread, and 35 add_scalar calls cost ~1 ms of
+            # Python a step against ~0.1 ms (sluice/tb_events.py; docs/architecture.md).
+            self.tb.add_scalars(scalars, version)
 
     def flush(self) -> None:
         """Until every step recorded so far is written. Called before a checkpoint: a learner
         killed between saving one and writing its steps' lines resumed past a version the
         log never got (measured: version 30 missing after a kill -9 right after step 30)."""
         if self._writer.is_alive():
+            self._wake.set()
             self._records.join()
 
     def close(self) -> None:
         if self._writer.is_alive():
             self._records.put(None)  # written to the end before the files close
+            self._wake.set()
             self._writer.join()
         if self.log is not None:
             self.log.close()
         self.prom.stop()
         if self.tb is not None:
             self.tb.close()
+
+
+def _drain(q: queue.Queue) -> list:
+    """Every item queued now, oldest first."""
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
 
 
 def _port(cfg: RunConfig, policy_id: str, rank: int) -> int:
