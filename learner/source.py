@@ -198,7 +198,7 @@ class BatchSource:
             self._add(batch, part, version)
         return FetchedBatch(
             version, min_version, batch.leased, batch.leased_at, time.perf_counter() - t0, gets,
-            settle if outcomes is not None else [], outcomes or [],
+            settle, outcomes or [],  # batch_size >= 1: a batch that came back sent its ACKs
         )  # fmt: skip
 
     def _get_settling(
