@@ -171,6 +171,13 @@ class BufferClient:
     def n_shards(self) -> int:
         return len(self.links)
 
+    def reachable(self, shard: int) -> bool:
+        """Whether `shard`'s connection is up now: a request to it would be sent, not refused
+        (`NotSent`) and retried until it comes back."""
+        link = self.links[shard]
+        link.pump_events()
+        return link.connected
+
     # -- producer side (puts.py) ---------------------------------------------------------------
 
     def put(self, trajs: Sequence[Trajectory]) -> PutReply:

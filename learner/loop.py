@@ -309,6 +309,8 @@ class Learner:
         kill, a stale surge of 64-704 drops a step to the end)."""
         if fetched.settled:
             self.control.charge(len(self.ledger.apply(fetched.settled, fetched.ack_outcomes)[1]))
+        if fetched.deferred:  # a shard was down: ACKed on a later GET (or at the last checkpoint)
+            self.ledger.undo(fetched.deferred)
 
     def consumed(self, step: StepBatch) -> None:
         """Rank 0: the step's leases join the ledger. With checkpoints off their ACKs ride on

@@ -9,7 +9,9 @@ Rules:
   both; learner/leases.py says when a step may be ACKed). What the ACKs found comes back with
   the batch (`FetchedBatch.settled`, `ack_outcomes`) for the ledger. A lease gone by then fails
   that GET as a whole (UNKNOWN_LEASE): the steps are then ACKed lease by lease (ACK is
-  idempotent) to learn which step lost one, and the GET goes again.
+  idempotent) to learn which step lost one, and the GET goes again. A step with a lease on a
+  shard that is down rides on nothing (`FetchedBatch.deferred`: the ledger keeps it pending
+  for the next request), so a batch from the live shards never waits for a dead one's restart.
 - Trajectories newer than `version` (a lost lineage: made, before a crash, by weights the
   resumed learner never made) are leased with the batch but not counted toward it: the batch is
   topped up past them. Their admission quota goes back as each GET brings them (`on_dropped`,
@@ -55,6 +57,7 @@ class FetchedBatch:
     gets: int = 0  # BufferClient.get calls it took
     settled: list[StepLeases] = field(default_factory=list)  # steps ACKed on its first GET ...
     ack_outcomes: list[tuple[int, bool]] = field(default_factory=list)  # ... as `ack_steps` says
+    deferred: list[StepLeases] = field(default_factory=list)  # steps to settle: a shard was down
 
     @property
     def lost_lineage(self) -> int:
@@ -174,6 +177,7 @@ class BatchSource:
         batch = _Assembly()
         t0 = time.perf_counter()
         gets, outcomes = 0, None  # outcomes: what the ACKs of `settle` found, once sent
+        ride, deferred = self._split_reachable(client, settle)
         while batch.usable < lc.batch_size:
             if self._stopping():
                 self._give_back(client, batch.leased, batch.newer)
@@ -181,8 +185,8 @@ class BatchSource:
             if batch.leased.leases and time.monotonic() - batch.leased_at > self.lease_timeout_s / 2:
                 batch = self._start_over(client, batch)  # too old to keep waiting on
             want = lc.batch_size - batch.usable
-            if settle and outcomes is None:
-                part, outcomes = self._get_settling(client, want, min_version, settle)
+            if ride and outcomes is None:
+                part, outcomes = self._get_settling(client, want, min_version, ride)
             else:
                 part = client.get(
                     want, min_version=min_version, policy_id=self.policy_id, wait_ms=lc.get_wait_ms
@@ -198,8 +202,19 @@ class BatchSource:
             self._add(batch, part, version)
         return FetchedBatch(
             version, min_version, batch.leased, batch.leased_at, time.perf_counter() - t0, gets,
-            settle, outcomes or [],  # batch_size >= 1: a batch that came back sent its ACKs
+            ride, outcomes or [], deferred,  # batch_size >= 1: a batch that came back sent its ACKs
         )  # fmt: skip
+
+    @staticmethod
+    def _split_reachable(
+        client: BufferClient, settle: list[StepLeases]
+    ) -> tuple[list[StepLeases], list[StepLeases]]:
+        """(steps whose every lease's shard is up now, the others). An ACK to a shard that is
+        down would be retried until it came back (the client's `timeout_s`), and the GET with
+        it: the batch would wait for the restart of a shard it needs nothing from."""
+        up = {k for k in range(client.n_shards) if client.reachable(k)}
+        ride = [step for step in settle if all(k in up for k, _ in step.leases)]
+        return ride, [step for step in settle if any(k not in up for k, _ in step.leases)]
 
     def _get_settling(
         self, client: BufferClient, want: int, min_version: int, settle: list[StepLeases]

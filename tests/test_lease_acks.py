@@ -11,7 +11,7 @@ import time
 import pytest
 from test_resume import GROUP, groups
 
-from sluice.buffer.client import BufferClient
+from sluice.buffer.client import BufferClient, LeasedBatch
 from sluice.config.learner import LearnerConfig
 from sluice.learner.leases import LeaseLedger
 from sluice.learner.source import BatchSource
@@ -109,3 +109,54 @@ def test_acks_whose_batch_never_came_back_are_settled_again(shard_factory):
         assert ids(again).isdisjoint(ids(trained)) and len(again.trajs) == GROUP
     finally:
         client.close()
+
+
+def test_a_step_on_a_shard_that_is_down_waits_for_it_without_holding_up_the_batch(shard_factory):
+    """Two shards, one down (killed, not yet restarted): the next batch comes from the live one
+    at once, carrying the ACK of the step leased there; the step leased on the dead shard is
+    deferred (pending, its ids still held) and settled by a GET after the shard is back. Before,
+    the GET retried that ACK until the client's timeout (30 s), then failed the learner."""
+    live, dead = shard_factory(lease_timeout_s=30.0), shard_factory(lease_timeout_s=30.0)
+    lc = LearnerConfig(batch_size=GROUP, get_wait_ms=50)
+    source = BatchSource([live.endpoint, dead.endpoint], "default", lc, threading.Event(), 60)
+    ledger = LeaseLedger()
+    clients = [BufferClient([live.endpoint]), BufferClient([dead.endpoint])]
+    try:
+        for k, client in enumerate(clients):
+            client.put(groups(10 * k, 1))
+            leased = client.get(GROUP, wait_ms=0)
+            ledger.add(LeasedBatch(leased.trajs, [(k, lease) for _, lease in leased.leases]), [], 0.0)
+        on_dead = set(ledger.pending[1].traj_ids)
+        clients[0].put(groups(20, 2))
+        source.request(0)  # both links connect
+        first = source.take()
+        assert first is not None and len(first.leased.trajs) == GROUP
+        clients[1].close()
+        dead.close()
+        source.request(1, ledger.detach())
+        fetched = source.take()  # (before: raised after 30 s, "ACK gave up")
+        assert fetched is not None and len(fetched.leased.trajs) == GROUP
+        assert [s.traj_ids for s in fetched.settled] == [ledger.in_flight[0].traj_ids]
+        assert fetched.ack_outcomes == [(GROUP, True)]
+        assert [set(s.traj_ids) for s in fetched.deferred] == [on_dead]
+        ledger.apply(fetched.settled, fetched.ack_outcomes)
+        ledger.undo(fetched.deferred)
+        assert ledger.pending_ids() == on_dead and ledger.filter(leased.trajs)[0] == []
+        dead.start()  # (not durable: the lease died with it)
+        deadline, more = time.monotonic() + 30, 30
+        while time.monotonic() < deadline:  # until the source's client has reconnected
+            clients[0].put(groups(more, 1))  # (version 0, as the rest: not too stale at 1)
+            source.request(1, ledger.detach())
+            fetched = source.take()
+            assert fetched is not None
+            ledger.undo(fetched.deferred)
+            if fetched.settled:
+                break
+            more += 1
+        assert fetched.ack_outcomes == [(0, False)], "the shard never came back for the ACK"
+        assert set(ledger.apply(fetched.settled, fetched.ack_outcomes)[1]) == on_dead
+        assert ledger.pending == ledger.in_flight == [] and on_dead <= ledger.skip_ids
+    finally:
+        source.close()
+        for client in clients:
+            client.close()

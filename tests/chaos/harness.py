@@ -126,8 +126,19 @@ class Report:
         return {**asdict(self), "failures": self.failures()}
 
 
-def start(launcher: str, run_dir: Path, log: Path, steps: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sluice.cli", launcher, str(QUICKSTART), f"run.dir={run_dir}", *OVERRIDES]
+def start(
+    launcher: str, run_dir: Path, log: Path, steps: int, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        launcher,
+        str(QUICKSTART),
+        f"run.dir={run_dir}",
+        *OVERRIDES,
+        *extra,
+    ]
     cmd.append(f"learner.total_steps={steps}")
     if launcher == "ray":
         cmd.append("ray.local_num_cpus=6")
@@ -169,9 +180,11 @@ def run_with_fault(
     at_step: int = 30,
     steps: int = STEPS,
     timeout_s: float = 900,
+    extra: tuple[str, ...] = (),
 ) -> Report:
-    """One run of `steps` under `launcher` (run | ray) with `fault` at `at_step`, accounted for."""
-    return run_with_faults(launcher, [(at_step, fault)], work, steps, timeout_s)
+    """One run of `steps` under `launcher` (run | ray) with `fault` at `at_step`, accounted for
+    (`extra`: config overrides after the suite's own)."""
+    return run_with_faults(launcher, [(at_step, fault)], work, steps, timeout_s, extra)
 
 
 def run_with_faults(
@@ -180,12 +193,13 @@ def run_with_faults(
     work: Path,
     steps: int = STEPS,
     timeout_s: float = 900,
+    extra: tuple[str, ...] = (),
 ) -> Report:
     """One run of `steps` with each `(at_step, fault)` in turn, accounted for: a fault waits for
     its step and for every role an earlier fault killed to be back (restarted)."""
     run_dir, log = work / "run", work / "launcher.log"
     t0 = time.monotonic()
-    proc = start(launcher, run_dir, log, steps)
+    proc = start(launcher, run_dir, log, steps, extra)
     seen: set[int] = set()
     killed: set[str] = set()
     held_at_kill: dict[str, bool] = {}  # Ray: was the role's PortKeeper alive just after the kill

@@ -1,7 +1,8 @@
-"""The chaos suite: under `sluice run`, SIGSTOP a shard and the learner for 12 s, one run each;
-under `sluice run` and under `sluice ray`, kill -9 a rollout service, a shard and then the
-learner in one run (the bounded form CI runs: `python tests/chaos/run.py --launcher both` runs
-every fault alone under both). Each is a full run that must then account for every trajectory
+"""The chaos suite: under `sluice run`, SIGSTOP a shard and the learner for 12 s, one run each,
+and kill -9 a shard with checkpoints off (the lease ACKs ride on the learner's GETs); under
+`sluice run` and under `sluice ray`, kill -9 a rollout service, a shard and then the learner in
+one run (the bounded form CI runs: `python tests/chaos/run.py --launcher both` runs every fault
+alone under both). Each is a full run that must then account for every trajectory
 by id (tests/chaos/harness.py says what is checked); the summary table is printed at the end."""
 
 from __future__ import annotations
@@ -34,6 +35,17 @@ def test_a_paused_role_costs_no_restart_and_every_trajectory_is_accounted_for(
     if fault == Fault("stop", "learner"):  # the pause outlasted an ADMIT's time-out: re-sends ran
         said = "".join(log.read_text() for log in (tmp_path / "run" / "logs").glob("rollout-*.log"))
         assert "asking again" in said
+
+
+def test_a_killed_shard_with_checkpoints_off_holds_no_ack_and_loses_nothing(tmp_path, chaos_reports):
+    """With checkpoints off, a step's ACKs ride on the batch prefetch's GET (learner/source.py):
+    kill -9 one of the two shards, and the steps leased on it wait (pending) for its restart
+    while the batches keep coming; nothing is lost or trained twice, and no ACK gives up."""
+    fault = Fault("kill", "buffer-0")
+    report = run_with_fault("run", fault, tmp_path, extra=("learner.checkpoint_every=0",))
+    chaos_reports.append(report)
+    assert not report.failures(), report.as_dict()
+    assert report.restarted == ["buffer-0"] and report.trained == 80 * 128
 
 
 @pytest.mark.parametrize("launcher", ["run", "ray"])
