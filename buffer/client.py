@@ -226,6 +226,7 @@ class BufferClient:
         policy_id: str = "default",
         wait_ms: int = 0,
         ack: LeasedBatch | None = None,
+        ack_patience_s: float | None = None,
     ) -> LeasedBatch:
         """Lease up to `max_trajs` trajectories (whole groups; at least one group if any is
         available, even if larger). Waits up to `wait_ms` only when every live shard is empty
@@ -234,7 +235,8 @@ class BufferClient:
         `ack`: a batch used up, ACKed first, as `ack(batch)` would: its leases ride on the GETs
         to their shards (one round trip for both), the others go as ACKs. Its count is the
         returned batch's `acked`. If an ACK fails (raises as `ack` does), what this call leased
-        is NACKed (given back) before it raises."""
+        is NACKed (given back) before it raises. `ack_patience_s`: how long an ACK whose shard
+        is unreachable is retried before `ShardUnavailable` (default: `timeout_s`; 0: sent once)."""
         batch = LeasedBatch()
         deadline = time.monotonic() + wait_ms / 1000.0
         to_ack: dict[int, list[str]] = {}
@@ -258,7 +260,7 @@ class BufferClient:
                         batch.acked += call.reply.acked
                     self._take_lease(batch, call)
                 if to_ack or carried:
-                    self._settle_carried(batch, to_ack, carried)
+                    self._settle_carried(batch, to_ack, carried, ack_patience_s)
                     to_ack, carried = {}, []
                 left_ms = int((deadline - time.monotonic()) * 1000)
                 if batch.trajs or left_ms <= 0:
@@ -277,7 +279,11 @@ class BufferClient:
             raise
 
     def _settle_carried(
-        self, batch: LeasedBatch, to_ack: dict[int, list[str]], carried: list[tuple[Call, list[str]]]
+        self,
+        batch: LeasedBatch,
+        to_ack: dict[int, list[str]],
+        carried: list[tuple[Call, list[str]]],
+        patience_s: float | None,
     ) -> None:
         """ACK what no GET carried, and again what a GET that failed carried (ACK is idempotent:
         a lease the lost GET did ACK answers `replayed`, with its count)."""
@@ -286,7 +292,7 @@ class BufferClient:
             if call.error is not None:
                 leases += [(call.sent_on().index, lease_id) for lease_id in acks]
         if leases:
-            batch.acked += self._settle(LeasedBatch(leases=leases), AckRequest)
+            batch.acked += self._settle(LeasedBatch(leases=leases), AckRequest, patience_s)
 
     def _long_poll(
         self,
@@ -380,11 +386,11 @@ class BufferClient:
         """Return the leased trajectories to the front of their queues."""
         return self._settle(batch, NackRequest)
 
-    def _settle(self, batch: LeasedBatch, kind) -> int:
+    def _settle(self, batch: LeasedBatch, kind, patience_s: float | None = None) -> int:
         todo = list(batch.leases)
         count = 0
         errors: list[BaseException] = []
-        give_up = time.monotonic() + self.timeout_s
+        give_up = time.monotonic() + (self.timeout_s if patience_s is None else patience_s)
         while todo:
             calls = []
             for shard, lease_id in todo:

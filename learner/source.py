@@ -11,7 +11,9 @@ Rules:
   that GET as a whole (UNKNOWN_LEASE): the steps are then ACKed lease by lease (ACK is
   idempotent) to learn which step lost one, and the GET goes again. A step with a lease on a
   shard that is down rides on nothing (`FetchedBatch.deferred`: the ledger keeps it pending
-  for the next request), so a batch from the live shards never waits for a dead one's restart.
+  for the next request), and an ACK whose shard the GET finds down is sent once, not retried
+  (the GET fails; the steps on live shards are ACKed lease by lease, the others deferred): a
+  batch from the live shards never waits for a dead one's restart.
 - Trajectories newer than `version` (a lost lineage: made, before a crash, by weights the
   resumed learner never made) are leased with the batch but not counted toward it: the batch is
   topped up past them. Their admission quota goes back as each GET brings them (`on_dropped`,
@@ -42,6 +44,7 @@ import zmq
 
 from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.buffer.holder import Holder
+from sluice.buffer.placement import ShardUnavailable
 from sluice.config.learner import LearnerConfig
 from sluice.learner.leases import StepLeases, ack_steps
 from sluice.trajectory import Trajectory
@@ -68,6 +71,17 @@ class FetchedBatch:
         """The batch itself: trajectories not newer than the version that consumes it (the
         complement of `lost_lineage`)."""
         return [t for t in self.leased.trajs if t.version <= self.version]
+
+
+def split_reachable(
+    client: BufferClient, settle: list[StepLeases]
+) -> tuple[list[StepLeases], list[StepLeases]]:
+    """(steps whose every lease's shard is up now, the others). An ACK to a shard that is down
+    would be retried until it came back (the client's `timeout_s`), and the GET with it: the
+    batch would wait for the restart of a shard it needs nothing from."""
+    up = {k for k in range(client.n_shards) if client.reachable(k)}
+    ride = [step for step in settle if all(k in up for k, _ in step.leases)]
+    return ride, [step for step in settle if any(k not in up for k, _ in step.leases)]
 
 
 def newer_than(trajs: list[Trajectory], version: int) -> int:
@@ -177,7 +191,8 @@ class BatchSource:
         batch = _Assembly()
         t0 = time.perf_counter()
         gets, outcomes = 0, None  # outcomes: what the ACKs of `settle` found, once sent
-        ride, deferred = self._split_reachable(client, settle)
+        ride, deferred = split_reachable(client, settle)
+        settled: list[StepLeases] = []
         while batch.usable < lc.batch_size:
             if self._stopping():
                 self._give_back(client, batch.leased, batch.newer)
@@ -186,7 +201,8 @@ class BatchSource:
                 batch = self._start_over(client, batch)  # too old to keep waiting on
             want = lc.batch_size - batch.usable
             if ride and outcomes is None:
-                part, outcomes = self._get_settling(client, want, min_version, ride)
+                part, settled, outcomes, late = self._get_settling(client, want, min_version, ride)
+                deferred += late
             else:
                 part = client.get(
                     want, min_version=min_version, policy_id=self.policy_id, wait_ms=lc.get_wait_ms
@@ -202,27 +218,18 @@ class BatchSource:
             self._add(batch, part, version)
         return FetchedBatch(
             version, min_version, batch.leased, batch.leased_at, time.perf_counter() - t0, gets,
-            ride, outcomes or [], deferred,  # batch_size >= 1: a batch that came back sent its ACKs
+            settled, outcomes or [], deferred,  # batch_size >= 1: a batch that came back sent its ACKs
         )  # fmt: skip
-
-    @staticmethod
-    def _split_reachable(
-        client: BufferClient, settle: list[StepLeases]
-    ) -> tuple[list[StepLeases], list[StepLeases]]:
-        """(steps whose every lease's shard is up now, the others). An ACK to a shard that is
-        down would be retried until it came back (the client's `timeout_s`), and the GET with
-        it: the batch would wait for the restart of a shard it needs nothing from."""
-        up = {k for k in range(client.n_shards) if client.reachable(k)}
-        ride = [step for step in settle if all(k in up for k, _ in step.leases)]
-        return ride, [step for step in settle if any(k not in up for k, _ in step.leases)]
 
     def _get_settling(
         self, client: BufferClient, want: int, min_version: int, settle: list[StepLeases]
-    ) -> tuple[LeasedBatch | None, list[tuple[int, bool]]]:
-        """The batch's first GET, ACKing `settle`'s leases first: (what it leased, `ack_steps`'s
-        outcome per step). A lease gone fails the whole GET (after the others are ACKed and what
-        it leased is given back): then every lease is ACKed again on its own to tell which step
-        lost one, and nothing is leased (None)."""
+    ) -> tuple[LeasedBatch | None, list[StepLeases], list[tuple[int, bool]], list[StepLeases]]:
+        """The batch's first GET, ACKing `settle`'s leases first: (what it leased, the steps
+        settled, `ack_steps`'s outcome for each, the steps deferred). A lease gone fails the
+        whole GET (after the others are ACKed and what it leased is given back), and so does a
+        shard found down on the way (sent once, not retried); then the steps whose shards are
+        up are ACKed again lease by lease (ACK is idempotent) to tell which step lost one, the
+        others are deferred, and nothing is leased (None)."""
         leases = LeasedBatch(leases=[lease for step in settle for lease in step.leases])
         try:
             part = client.get(
@@ -231,13 +238,15 @@ class BatchSource:
                 policy_id=self.policy_id,
                 wait_ms=self.lc.get_wait_ms,
                 ack=leases,
+                ack_patience_s=0.0,
             )
-        except BufferError as e:
-            if e.code != "UNKNOWN_LEASE":
+        except (BufferError, ShardUnavailable) as e:
+            if isinstance(e, BufferError) and e.code != "UNKNOWN_LEASE":
                 raise
-            return None, ack_steps(client, settle)
+            ride, deferred = split_reachable(client, settle)  # (a shard may have died since)
+            return None, ride, ack_steps(client, ride), deferred
         # every lease was there, so each step's ACK deleted every trajectory it leased
-        return part, [(len(step.traj_ids), True) for step in settle]
+        return part, settle, [(len(step.traj_ids), True) for step in settle], []
 
     def _add(self, batch: _Assembly, part: LeasedBatch, version: int) -> None:
         """Add a GET's part to the batch; release the quota of what it will not train."""

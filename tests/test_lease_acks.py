@@ -5,6 +5,7 @@ lease and skipped when it comes back, and ACKs whose batch never came back are s
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -156,6 +157,42 @@ def test_a_step_on_a_shard_that_is_down_waits_for_it_without_holding_up_the_batc
         assert fetched.ack_outcomes == [(0, False)], "the shard never came back for the ACK"
         assert set(ledger.apply(fetched.settled, fetched.ack_outcomes)[1]) == on_dead
         assert ledger.pending == ledger.in_flight == [] and on_dead <= ledger.skip_ids
+    finally:
+        source.close()
+        for client in clients:
+            client.close()
+
+
+def test_a_shard_that_dies_after_the_check_defers_its_step_all_the_same(shard_factory, monkeypatch):
+    """The race the reachability check cannot see: the shard dies after the check, before the
+    GET that carries its ACK. That ACK is sent once, not retried for the client's 30 s: the GET
+    fails, the step on the live shard is ACKed again on its own (`replayed`, counted), the
+    other is deferred, and the batch is leased by the next GET."""
+    live, dead = shard_factory(lease_timeout_s=30.0), shard_factory(lease_timeout_s=30.0)
+    lc = LearnerConfig(batch_size=GROUP, get_wait_ms=50, prefetch=False)
+    source = BatchSource([live.endpoint, dead.endpoint], "default", lc, threading.Event(), 60)
+    ledger = LeaseLedger()
+    clients = [BufferClient([live.endpoint]), BufferClient([dead.endpoint])]
+    try:
+        for k, client in enumerate(clients):
+            client.put(groups(10 * k, 1))
+            leased = client.get(GROUP, wait_ms=0)
+            ledger.add(LeasedBatch(leased.trajs, [(k, lease) for _, lease in leased.leases]), [], 0.0)
+        on_live, on_dead = (list(step.traj_ids) for step in ledger.pending)
+        clients[0].put(groups(20, 2))
+        source.request(0)  # both links connect
+        assert source.take() is not None
+        clients[1].close()
+        dead.close()
+        asked = itertools.count()
+        seen = source._client.reachable  # (prefetch off: the source's own client)
+        monkeypatch.setattr(source._client, "reachable", lambda k: next(asked) < 2 or seen(k))
+        source.request(1, ledger.detach())
+        fetched = source.take()  # (without the one-shot ACK: ShardUnavailable after 30 s)
+        assert fetched is not None and len(fetched.leased.trajs) == GROUP
+        assert [s.traj_ids for s in fetched.settled] == [on_live] and fetched.ack_outcomes == [(GROUP, True)]
+        assert [s.traj_ids for s in fetched.deferred] == [on_dead]
+        assert fetched.gets == 2  # the one that failed, then the batch
     finally:
         source.close()
         for client in clients:
