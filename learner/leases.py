@@ -3,7 +3,7 @@
 The rule: a lease is ACKed only once a checkpoint that contains the effect of training on it
 is on disk (with checkpoints off, right after the step: they ride on the first GET of the batch
 after next, learner/source.py, the step's ids held as `in_flight` until that batch brings
-the outcome back). So:
+the outcome back, or `pending` again when a shard of theirs was down). So:
 - crash before that checkpoint: the leases are not ACKed, they expire at the shard and are
   redelivered; the learner resumes from a state that never saw them and trains on them once.
 - crash after the checkpoint, before or during the ACKs: the checkpoint lists those leases
