@@ -129,7 +129,9 @@ def test_get_carries_the_ack_of_the_batch_before(shard_factory, monkeypatch):
         third.extend(client.get(1))
         assert sorted(shard for shard, _ in third.leases) == [0, 1]
         calls = []
-        monkeypatch.setattr(BufferClient, "_settle", lambda self, b, *a: calls.append(b) or settle(self, b, *a))
+        monkeypatch.setattr(
+            BufferClient, "_settle", lambda self, b, *a: calls.append(b) or settle(self, b, *a)
+        )
         fourth = client.get(1, ack=third)
         assert fourth.acked == 4 and len(fourth.trajs) == 2
         assert len(calls) == 1 and len(calls[0].leases) == 1

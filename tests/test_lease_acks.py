@@ -8,6 +8,9 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import pytest
 from test_resume import GROUP, groups
@@ -112,13 +115,22 @@ def test_acks_whose_batch_never_came_back_are_settled_again(shard_factory):
         client.close()
 
 
-def test_a_step_on_a_shard_that_is_down_waits_for_it_without_holding_up_the_batch(shard_factory):
-    """Two shards, one down (killed, not yet restarted): the next batch comes from the live one
-    at once, carrying the ACK of the step leased there; the step leased on the dead shard is
-    deferred (pending, its ids still held) and settled by a GET after the shard is back. Before,
-    the GET retried that ACK until the client's timeout (30 s), then failed the learner."""
+@dataclass
+class TwoShards:
+    """A source over two shards, a trained step leased on each (the ledger's two pending steps),
+    one batch fetched (both links up), then the second shard closed: what a kill leaves."""
+
+    source: BatchSource
+    ledger: LeaseLedger
+    live: BufferClient  # a client of the first shard only, to put more groups there
+    dead: object  # the second shard (conftest's RunningShard), closed
+    steps: list[list[str]]  # each step's ids: on the live shard, on the dead one
+
+
+@contextmanager
+def one_step_on_each_of_two_shards(shard_factory, prefetch: bool) -> Iterator[TwoShards]:
     live, dead = shard_factory(lease_timeout_s=30.0), shard_factory(lease_timeout_s=30.0)
-    lc = LearnerConfig(batch_size=GROUP, get_wait_ms=50)
+    lc = LearnerConfig(batch_size=GROUP, get_wait_ms=50, prefetch=prefetch)
     source = BatchSource([live.endpoint, dead.endpoint], "default", lc, threading.Event(), 60)
     ledger = LeaseLedger()
     clients = [BufferClient([live.endpoint]), BufferClient([dead.endpoint])]
@@ -127,26 +139,38 @@ def test_a_step_on_a_shard_that_is_down_waits_for_it_without_holding_up_the_batc
             client.put(groups(10 * k, 1))
             leased = client.get(GROUP, wait_ms=0)
             ledger.add(LeasedBatch(leased.trajs, [(k, lease) for _, lease in leased.leases]), [], 0.0)
-        on_dead = set(ledger.pending[1].traj_ids)
         clients[0].put(groups(20, 2))
         source.request(0)  # both links connect
-        first = source.take()
-        assert first is not None and len(first.leased.trajs) == GROUP
+        assert source.take() is not None
         clients[1].close()
         dead.close()
+        yield TwoShards(source, ledger, clients[0], dead, [list(step.traj_ids) for step in ledger.pending])
+    finally:
+        source.close()
+        for client in clients:
+            client.close()
+
+
+def test_a_step_on_a_shard_that_is_down_waits_for_it_without_holding_up_the_batch(shard_factory):
+    """Two shards, one down (killed, not yet restarted): the next batch comes from the live one
+    at once, carrying the ACK of the step leased there; the step leased on the dead shard is
+    deferred (pending, its ids still held) and settled by a GET after the shard is back. Before,
+    the GET retried that ACK until the client's timeout (30 s), then failed the learner."""
+    with one_step_on_each_of_two_shards(shard_factory, prefetch=True) as run:
+        source, ledger, on_dead = run.source, run.ledger, set(run.steps[1])
         source.request(1, ledger.detach())
         fetched = source.take()  # (before: raised after 30 s, "ACK gave up")
         assert fetched is not None and len(fetched.leased.trajs) == GROUP
-        assert [s.traj_ids for s in fetched.settled] == [ledger.in_flight[0].traj_ids]
+        assert [s.traj_ids for s in fetched.settled] == [run.steps[0]]
         assert fetched.ack_outcomes == [(GROUP, True)]
         assert [set(s.traj_ids) for s in fetched.deferred] == [on_dead]
         ledger.apply(fetched.settled, fetched.ack_outcomes)
         ledger.undo(fetched.deferred)
-        assert ledger.pending_ids() == on_dead and ledger.filter(leased.trajs)[0] == []
-        dead.start()  # (not durable: the lease died with it)
+        assert ledger.pending_ids() == on_dead
+        run.dead.start()  # (not durable: the lease died with it)
         deadline, more = time.monotonic() + 30, 30
         while time.monotonic() < deadline:  # until the source's client has reconnected
-            clients[0].put(groups(more, 1))  # (version 0, as the rest: not too stale at 1)
+            run.live.put(groups(more, 1))  # (version 0, as the rest: not too stale at 1)
             source.request(1, ledger.detach())
             fetched = source.take()
             assert fetched is not None
@@ -157,10 +181,6 @@ def test_a_step_on_a_shard_that_is_down_waits_for_it_without_holding_up_the_batc
         assert fetched.ack_outcomes == [(0, False)], "the shard never came back for the ACK"
         assert set(ledger.apply(fetched.settled, fetched.ack_outcomes)[1]) == on_dead
         assert ledger.pending == ledger.in_flight == [] and on_dead <= ledger.skip_ids
-    finally:
-        source.close()
-        for client in clients:
-            client.close()
 
 
 def test_a_shard_that_dies_after_the_check_defers_its_step_all_the_same(shard_factory, monkeypatch):
@@ -168,32 +188,15 @@ def test_a_shard_that_dies_after_the_check_defers_its_step_all_the_same(shard_fa
     GET that carries its ACK. That ACK is sent once, not retried for the client's 30 s: the GET
     fails, the step on the live shard is ACKed again on its own (`replayed`, counted), the
     other is deferred, and the batch is leased by the next GET."""
-    live, dead = shard_factory(lease_timeout_s=30.0), shard_factory(lease_timeout_s=30.0)
-    lc = LearnerConfig(batch_size=GROUP, get_wait_ms=50, prefetch=False)
-    source = BatchSource([live.endpoint, dead.endpoint], "default", lc, threading.Event(), 60)
-    ledger = LeaseLedger()
-    clients = [BufferClient([live.endpoint]), BufferClient([dead.endpoint])]
-    try:
-        for k, client in enumerate(clients):
-            client.put(groups(10 * k, 1))
-            leased = client.get(GROUP, wait_ms=0)
-            ledger.add(LeasedBatch(leased.trajs, [(k, lease) for _, lease in leased.leases]), [], 0.0)
-        on_live, on_dead = (list(step.traj_ids) for step in ledger.pending)
-        clients[0].put(groups(20, 2))
-        source.request(0)  # both links connect
-        assert source.take() is not None
-        clients[1].close()
-        dead.close()
-        asked = itertools.count()
-        seen = source._client.reachable  # (prefetch off: the source's own client)
-        monkeypatch.setattr(source._client, "reachable", lambda k: next(asked) < 2 or seen(k))
-        source.request(1, ledger.detach())
-        fetched = source.take()  # (without the one-shot ACK: ShardUnavailable after 30 s)
+    with one_step_on_each_of_two_shards(shard_factory, prefetch=False) as run:
+        client = run.source._client  # (prefetch off: the source's own client)
+        assert client is not None
+        asked, seen = itertools.count(), client.reachable
+        monkeypatch.setattr(client, "reachable", lambda k: next(asked) < 2 or seen(k))  # the race
+        run.source.request(1, run.ledger.detach())
+        fetched = run.source.take()  # (without the one-shot ACK: ShardUnavailable after 30 s)
         assert fetched is not None and len(fetched.leased.trajs) == GROUP
-        assert [s.traj_ids for s in fetched.settled] == [on_live] and fetched.ack_outcomes == [(GROUP, True)]
-        assert [s.traj_ids for s in fetched.deferred] == [on_dead]
+        assert [s.traj_ids for s in fetched.settled] == [run.steps[0]]
+        assert fetched.ack_outcomes == [(GROUP, True)]
+        assert [s.traj_ids for s in fetched.deferred] == [run.steps[1]]
         assert fetched.gets == 2  # the one that failed, then the batch
-    finally:
-        source.close()
-        for client in clients:
-            client.close()
