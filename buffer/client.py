@@ -172,11 +172,12 @@ class BufferClient:
         return len(self.links)
 
     def reachable(self, shard: int) -> bool:
-        """Whether `shard`'s connection is up now: a request to it would be sent, not refused
-        (`NotSent`) and retried until it comes back."""
+        """Whether a request to `shard` would be sent now: False once its connection went down
+        and until it is back (a request would be refused, `NotSent`, and an ACK retried until
+        then); True while a new connection is still being made (a request waits for it)."""
         link = self.links[shard]
         link.pump_events()
-        return link.connected
+        return not link.lost
 
     # -- producer side (puts.py) ---------------------------------------------------------------
 

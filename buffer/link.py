@@ -168,6 +168,13 @@ class ShardLink:
         self.pump_events()
         return self.connected or now >= self.retry_at
 
+    @property
+    def lost(self) -> bool:
+        """The connection went down and has not come back (a disconnect seen since its last
+        handshake): a send now is refused, where it could also slip into the dying pipe and
+        vanish. A socket still making its first connection is not lost: a send waits for it."""
+        return self.saw_disconnect and not self.connected
+
     def mark_failed(self, now: float) -> None:
         self.failures += 1
         self.retry_at = now + self.backoff.delay(self.failures)
@@ -262,7 +269,7 @@ class ShardLink:
         # the dying pipe and vanish): with IMMEDIATE a send that is taken proves a connection.
         if self.connected and not self._hello_known and self._hello is None:
             self._send_hello(call.timeout_s)  # answered before `call` (one connection keeps order)
-        if (self.connected or not self.saw_disconnect) and self._send_now(call, 200 if self.connected else 0):
+        if not self.lost and self._send_now(call, 200 if self.connected else 0):
             self.connected = self.ever_connected = True
             call.deadline = time.monotonic() + call.timeout_s
             self.pending[call.header.id] = call

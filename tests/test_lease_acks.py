@@ -13,12 +13,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
+from helpers.wait import wait_until
 from test_resume import GROUP, groups
 
 from sluice.buffer.client import BufferClient, LeasedBatch
 from sluice.config.learner import LearnerConfig
 from sluice.learner.leases import LeaseLedger
 from sluice.learner.source import BatchSource
+from sluice.net import free_port
 
 
 def ids(batch) -> set[str]:
@@ -98,10 +100,11 @@ def test_acks_whose_batch_never_came_back_are_settled_again(shard_factory):
         trained = client.get(GROUP, wait_ms=0)
         ledger.add(trained, [], 0.0)
         source.request(0, ledger.detach())
-        deadline = time.monotonic() + 30
-        while client.stats()[0].stats["held"] < 2 * GROUP:  # the step, and the batch after it
-            assert time.monotonic() < deadline, "the prefetch never leased the next batch"
-            time.sleep(0.01)
+        wait_until(
+            lambda: (lambda st: st["acked"] == GROUP and st["leased"] == GROUP)(client.stats()[0].stats),
+            30,
+            "the prefetch's GET: the step ACKed, the batch after it leased",
+        )
     finally:
         source.close()  # fetched, never taken: given back
     try:
@@ -113,6 +116,22 @@ def test_acks_whose_batch_never_came_back_are_settled_again(shard_factory):
         assert ids(again).isdisjoint(ids(trained)) and len(again.trajs) == GROUP
     finally:
         client.close()
+
+
+def test_a_shard_is_unreachable_only_from_a_lost_connection_until_it_is_back(shard_factory):
+    """What decides whether a step's ACKs ride (learner/source.py): a link still making its
+    first connection is reachable (a request waits for it: a learner's first steps must not
+    be deferred), one whose connection was seen lost is not, until it is back."""
+    with BufferClient([f"tcp://127.0.0.1:{free_port()}"], first_connect_s=0.1) as nobody:
+        assert nobody.reachable(0)  # (nothing listens: no connection yet, none lost)
+    shard = shard_factory()
+    with BufferClient([shard.endpoint]) as client:
+        client.stats()  # connected
+        assert client.reachable(0)
+        shard.close()
+        wait_until(lambda: not client.reachable(0), 10, "the lost connection seen")
+        shard.start()
+        wait_until(lambda: client.reachable(0), 10, "the connection back")
 
 
 @dataclass
