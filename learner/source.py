@@ -79,9 +79,9 @@ def split_reachable(
     """(steps whose every lease's shard is up now, the others). An ACK to a shard that is down
     would be retried until it came back (the client's `timeout_s`), and the GET with it: the
     batch would wait for the restart of a shard it needs nothing from."""
-    up = {k for k in range(client.n_shards) if client.reachable(k)}
-    ride = [step for step in settle if all(k in up for k, _ in step.leases)]
-    return ride, [step for step in settle if any(k not in up for k, _ in step.leases)]
+    down = {k for k in {k for step in settle for k, _ in step.leases} if not client.reachable(k)}
+    ride = [step for step in settle if down.isdisjoint(k for k, _ in step.leases)]
+    return ride, [step for step in settle if not down.isdisjoint(k for k, _ in step.leases)]
 
 
 def newer_than(trajs: list[Trajectory], version: int) -> int:
@@ -218,7 +218,7 @@ class BatchSource:
             self._add(batch, part, version)
         return FetchedBatch(
             version, min_version, batch.leased, batch.leased_at, time.perf_counter() - t0, gets,
-            settled, outcomes or [], deferred,  # batch_size >= 1: a batch that came back sent its ACKs
+            settled, outcomes or [], deferred,  # (no outcomes: nothing rode)
         )  # fmt: skip
 
     def _get_settling(
