@@ -18,21 +18,34 @@ def parity(monkeypatch):
     return trl_parity
 
 
-@pytest.mark.slow  # two GRPOTrainer steps and two Sluice steps (~30 s)
-def test_sluice_takes_trls_step_and_a_different_objective_is_caught(parity, tmp_path):
-    assert parity.main(["--seeds", "0", "--out", str(tmp_path / "same")]) == 0
-    (same,) = json.loads((tmp_path / "same" / "trl_parity.json").read_text())["results"]
-    assert same["sequences"] == 64 and same["groups_with_signal"] > 0
+def check(parity, tmp_path, name: str, *args: str) -> tuple[int, dict]:
+    out = tmp_path / name
+    rc = parity.main(["--seeds", "0", "--out", str(out), *args])
+    (result,) = json.loads((out / "trl_parity.json").read_text())["results"]
+    return rc, result
+
+
+@pytest.mark.slow  # three runs of a few GRPOTrainer and Sluice steps each (~17 s)
+def test_sluice_takes_trls_steps_and_a_different_objective_or_optimiser_is_caught(parity, tmp_path):
+    rc, same = check(parity, tmp_path, "same", "--steps", "10")
+    assert rc == 0 and same["ok"]
+    assert same["steps"] == 10 and same["sequences_per_step"] == 64 and same["groups_with_signal"] > 0
     assert same["advantage_max_abs_diff"] <= parity.ADV_TOL
     assert same["clipped_grad_rel_l2"] <= parity.GRAD_TOL
+    assert same["update_rel_l2"] <= parity.UPDATE_TOL
     assert same["params_differing_share"] < 1e-3  # lr x sign(g): only g within rounding of 0
     # A group std floor of 1e-2, not TRL's hard-coded 1e-4: the check must catch it.
-    args = ["--seeds", "0", "--out", str(tmp_path / "other"), "--sluice-override"]
     grpo_eps_1e2 = (
         "workflow.learner=[{stage: group_advantages, normalize_std: true, eps: 0.01},"
         " {stage: policy_loss, loss: {type: grpo, is_cap: 2.0}, aggregation: token}]"
     )
-    assert parity.main([*args, grpo_eps_1e2]) == 1
-    (other,) = json.loads((tmp_path / "other" / "trl_parity.json").read_text())["results"]
-    assert other["advantage_max_abs_diff"] > parity.ADV_TOL and not other["ok"]
-    assert other["clipped_grad_rel_l2"] > parity.GRAD_TOL
+    rc, eps = check(parity, tmp_path, "eps", "--steps", "2", "--sluice-override", grpo_eps_1e2)
+    assert rc == 1 and not eps["ok"]
+    assert eps["advantage_max_abs_diff"] > parity.ADV_TOL and eps["clipped_grad_rel_l2"] > parity.GRAD_TOL
+    # AdamW's beta2 0.99 instead of 0.999: the first step moves by lr x sign(g) whatever the betas,
+    # so only later steps can tell (10 steps: the weights' change ~3e-3 apart, 30x the tolerance)
+    rc, betas = check(
+        parity, tmp_path, "betas", "--steps", "10", "--sluice-override", "learner.betas=[0.9, 0.99]"
+    )
+    assert rc == 1 and not betas["ok"]
+    assert betas["advantage_max_abs_diff"] <= parity.ADV_TOL and betas["update_rel_l2"] > parity.UPDATE_TOL
