@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import vs_trl  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 ADV_TOL = 1e-5  # absolute, advantages are O(1)
@@ -283,6 +284,22 @@ def report(results: list[dict[str, Any]], console: Console) -> None:
     console.print(table)
 
 
+def run_seeds(args: argparse.Namespace, console: Console) -> list[dict[str, Any]]:
+    """`check_seed` for each seed on one model directory, with a progress line."""
+    with tempfile.TemporaryDirectory(prefix="trl-parity-") as tmp, Progress(console=console) as progress:
+        work = Path(tmp)
+        vs_trl.build_model_dir(work / "model")
+        bar = progress.add_task(f"{args.task}: {args.steps} steps a seed", total=len(args.seeds))
+        results = []
+        for seed in args.seeds:
+            extra = args.sluice_override
+            results.append(
+                check_seed(seed, args.task, args.steps, work / "model", work / f"seed{seed}", extra)
+            )
+            progress.advance(bar)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -291,21 +308,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--sluice-override", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps: at least 1, not {args.steps}")
     if not vs_trl.trl_available():
         sys.exit(vs_trl.SETUP_HINT)
+    console = Console(width=160)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: the same reduction order on every run
-    with tempfile.TemporaryDirectory(prefix="trl-parity-") as tmp:
-        work = Path(tmp)
-        vs_trl.build_model_dir(work / "model")
-        results = [
-            check_seed(s, args.task, args.steps, work / "model", work / f"seed{s}", args.sluice_override)
-            for s in args.seeds
-        ]
-    console = Console()
+    try:
+        results = run_seeds(args, console)
+    finally:
+        torch.set_num_threads(threads)
     report(results, console)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        data = {"sluice_overrides": args.sluice_override, "results": results}
+        tolerances = {"advantage": ADV_TOL, "gradient": GRAD_TOL, "update": UPDATE_TOL}
+        data = {"sluice_overrides": args.sluice_override, "tolerances": tolerances, "results": results}
         (args.out / "trl_parity.json").write_text(json.dumps(data, indent=2))
     return 0 if all(r["ok"] for r in results) else 1
 

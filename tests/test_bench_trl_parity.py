@@ -49,3 +49,9 @@ def test_sluice_takes_trls_steps_and_a_different_objective_or_optimiser_is_caugh
     )
     assert rc == 1 and not betas["ok"]
     assert betas["advantage_max_abs_diff"] <= parity.ADV_TOL and betas["update_rel_l2"] > parity.UPDATE_TOL
+
+
+def test_a_bad_step_count_is_refused_naming_the_flag(parity, capsys):
+    with pytest.raises(SystemExit):
+        parity.main(["--steps", "0"])
+    assert "--steps: at least 1, not 0" in capsys.readouterr().err
