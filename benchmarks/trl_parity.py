@@ -137,12 +137,15 @@ def behaviour_logprobs(model: torch.nn.Module, rows: list[tuple[list[int], list[
 
 
 def trajectories(record: dict[str, Any], step: int, model: torch.nn.Module) -> list:
-    """TRL's batch of `step` as Sluice trajectories: group i // group_size, the task's reward
-    and `finished` as the rollout scores them (rollout_svc/service.py's `sample_trajectory`)."""
+    """TRL's batch of `step` as Sluice trajectories, built as a rollout service builds its own
+    (rollout_svc/: an engine's `Completion`, scored by the task into a `Sample`, then
+    `sample_trajectory`): group i // group_size, the task's reward, `finished` = EOS sampled."""
     import numpy as np
 
+    from sluice.rollout_svc.engines.base import Completion
+    from sluice.rollout_svc.episodes import to_sample
+    from sluice.rollout_svc.service import sample_trajectory
     from sluice.rollout_svc.tasks.base import Prompt
-    from sluice.trajectory import Trajectory
 
     rows, tok, task = rows_of(record["batches"][step]), record["tokenizer"], record["task"]
     group = vs_trl.GROUP
@@ -151,24 +154,14 @@ def trajectories(record: dict[str, Any], step: int, model: torch.nn.Module) -> l
             raise RuntimeError(f"TRL's rows {g}..{g + group - 1} are not one prompt's group")
     trajs = []
     for i, ((prompt, completion), logps) in enumerate(zip(rows, behaviour_logprobs(model, rows))):
-        finished = tok.eos_token_id in completion
+        ids = np.asarray(completion, dtype=np.int32)
+        versions = np.full(len(ids), step, dtype=np.int32)
+        done = Completion(ids, np.asarray(logps, dtype=np.float32), versions, tok.eos_token_id in completion)
         text = tok.decode(completion, skip_special_tokens=True)
-        reference = record["references"][step][i]
+        score = task.score(Prompt("", "", record["references"][step][i]), text, done.finished)
+        sample = to_sample(done, score, truncated_reward=None)
         trajs.append(
-            Trajectory(
-                traj_id=f"s{step}t{i}",
-                group_id=f"s{step}g{i // group}",
-                version=step,
-                group_size=group,
-                reward=task.score(Prompt("", "", reference), text, finished).reward,
-                info={"truncated": not finished},
-                arrays={
-                    "prompt_ids": np.asarray(prompt, dtype=np.int32),
-                    "completion_ids": np.asarray(completion, dtype=np.int32),
-                    "behaviour_logprobs": np.asarray(logps, dtype=np.float32),
-                    "token_versions": np.full(len(completion), step, dtype=np.int32),
-                },
-            )
+            sample_trajectory(f"s{step}t{i}", f"s{step}g{i // group}", group, "default", prompt, sample, step)
         )
     return trajs
 
