@@ -21,6 +21,7 @@ from sluice.config.learner import LearnerConfig
 from sluice.learner.leases import LeaseLedger
 from sluice.learner.source import BatchSource
 from sluice.net import free_port
+from sluice.trajectory import Trajectory
 
 
 def ids(batch) -> set[str]:
@@ -144,6 +145,7 @@ class TwoShards:
     live: BufferClient  # a client of the first shard only, to put more groups there
     dead: object  # the second shard (conftest's RunningShard), closed
     steps: list[list[str]]  # each step's ids: on the live shard, on the dead one
+    on_dead: list[Trajectory]  # the trajectories of the step leased on the dead shard
 
 
 @contextmanager
@@ -163,7 +165,8 @@ def one_step_on_each_of_two_shards(shard_factory, prefetch: bool) -> Iterator[Tw
         assert source.take() is not None
         clients[1].close()
         dead.close()
-        yield TwoShards(source, ledger, clients[0], dead, [list(step.traj_ids) for step in ledger.pending])
+        steps = [list(step.traj_ids) for step in ledger.pending]
+        yield TwoShards(source, ledger, clients[0], dead, steps, leased.trajs)
     finally:
         source.close()
         for client in clients:
@@ -185,7 +188,7 @@ def test_a_step_on_a_shard_that_is_down_waits_for_it_without_holding_up_the_batc
         assert [set(s.traj_ids) for s in fetched.deferred] == [on_dead]
         ledger.apply(fetched.settled, fetched.ack_outcomes)
         ledger.undo(fetched.deferred)
-        assert ledger.pending_ids() == on_dead
+        assert ledger.pending_ids() == on_dead and ledger.filter(run.on_dead)[0] == []  # ids still held
         run.dead.start()  # (not durable: the lease died with it)
         deadline, more = time.monotonic() + 30, 30
         while time.monotonic() < deadline:  # until the source's client has reconnected
