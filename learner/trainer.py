@@ -61,6 +61,7 @@ def build_objective(
         grad_clip=cfg.learner.grad_clip,
         dist=dist,
         pack_attention=pack_attention(cfg, model, tokenizer, device),
+        skip_zero_advantage=cfg.learner.skip_zero_advantage,
     )
 
 
@@ -110,10 +111,13 @@ class Trainer:
         maxima: dict[str, torch.Tensor] = {}
         norms = []
         extra: dict[str, float] = {}  # the last update's statistics of what else the objective trains
+        inert = 0.0  # share of the minibatches' tokens left out (no gradient), summed over updates
         for _ in range(lc.epochs):
             for minibatch in obj.split(prepared, lc.minibatches, self.generator):
-                pieces = obj.micro(minibatch, lc.micro_batches)
-                denom = self.global_denominator(pieces)
+                kept = obj.without_inert(minibatch)
+                pieces = obj.micro(minibatch if kept is None else kept, lc.micro_batches)
+                denom = self.global_denominator(minibatch, pieces)
+                inert += 1.0 - denom.share("token")
                 for i, piece in enumerate(pieces):
                     with be.accumulate(sync=i == len(pieces) - 1):
                         loss, stats = obj.loss(be.module, piece, denom)
@@ -127,6 +131,7 @@ class Trainer:
                 norms.append(be.step())
                 extra = obj.after_update()
         stats = self.reduce_stats(sums, maxima, updates=lc.epochs * lc.minibatches)
+        stats["inert_frac"] = inert / (lc.epochs * lc.minibatches)
         if stats.get("forward_positions"):  # share of computed positions holding a token
             stats["forward_fill"] = stats["forward_tokens"] / stats["forward_positions"]
         return (
@@ -138,12 +143,16 @@ class Trainer:
             }
         )
 
-    def global_denominator(self, pieces) -> Denominator:
-        local = torch.tensor(
-            [sum(self.objective.counts(p)[i] for p in pieces) for i in (0, 1)], dtype=torch.float64
-        )
-        tokens, sequences = self.dist.all_reduce(local).tolist()
-        return Denominator(tokens=tokens, sequences=sequences)
+    def global_denominator(self, minibatch, pieces) -> Denominator:
+        """The counts of the pieces trained, over all ranks, and of the whole minibatch where
+        rows were left out of them (`Objective.without_inert`): one all-reduce."""
+        whole = self.objective.counts(minibatch)
+        kept = [sum(self.objective.counts(p)[i] for p in pieces) for i in (0, 1)]
+        totals = self.dist.all_reduce(torch.tensor([*kept, *whole], dtype=torch.float64)).tolist()
+        tokens, sequences, whole_tokens, whole_sequences = totals
+        if (tokens, sequences) == (whole_tokens, whole_sequences):
+            return Denominator(tokens=tokens, sequences=sequences)
+        return Denominator(tokens, sequences, whole_tokens, whole_sequences)
 
     def reduce_stats(self, sums, maxima, updates: int) -> dict[str, float]:
         names = sorted(sums)

@@ -19,6 +19,18 @@ Aggregation = Literal["token", "sequence"]
 class Denominator:
     tokens: float  # masked tokens (steps) in the whole minibatch, over all ranks
     sequences: float  # sequences (trajectories) in the whole minibatch, over all ranks
+    # Where rows without gradient were left out of the step (`learner.skip_zero_advantage`),
+    # `tokens` and `sequences` count the rows kept and these the whole minibatch's.
+    whole_tokens: float | None = None
+    whole_sequences: float | None = None
+
+    def share(self, mode: Aggregation) -> float:
+        """What a mean over the rows kept weighs in the mean over the whole minibatch: a loss
+        stage's term times this is its term over the whole minibatch (the rows left out add 0)."""
+        kept, whole = (
+            (self.tokens, self.whole_tokens) if mode == "token" else (self.sequences, self.whole_sequences)
+        )
+        return 1.0 if whole is None else kept / max(whole, 1.0)
 
     @staticmethod
     def of(mask: torch.Tensor) -> Denominator:

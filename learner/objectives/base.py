@@ -46,6 +46,11 @@ class Objective(ABC, Generic[P]):
     def micro(self, batch: P, m: int) -> list[P]:
         """Exactly `m` micro-batches of near-equal work."""
 
+    def without_inert(self, piece: P) -> P | None:
+        """`piece` without the rows whose loss terms have exactly 0 gradient, which the step may
+        leave out of its forward and backward; None to train it whole (the default)."""
+        return None
+
     @abstractmethod
     def counts(self, piece: P) -> tuple[float, float]:
         """(tokens or steps, sequences) of a piece, for the global denominator."""

@@ -26,7 +26,13 @@ from sluice.learner.losses.grpo import group_indices
 from sluice.learner.objectives.base import Objective, Stats, rows, take_rows
 from sluice.learner.packing import PackedRows, plan
 from sluice.learner.stages.base import Fields, LossContext, PrepareContext
-from sluice.learner.stages.builtin import build_stages, critic_config, needs_entropy, needs_reference
+from sluice.learner.stages.builtin import (
+    build_stages,
+    critic_config,
+    needs_entropy,
+    needs_reference,
+    zero_at_zero_advantage,
+)
 from sluice.modeling.sampling import SamplingTransform
 from sluice.trajectory import Trajectory
 
@@ -53,13 +59,18 @@ class TokenObjective(Objective[TokenPiece]):
         grad_clip: float = 1.0,
         dist: DistContext | None = None,
         pack_attention: float | None = None,
+        skip_zero_advantage: bool = False,
     ) -> None:
         """`stages`: `workflow.learner` (sluice.config.workflow_check.effective_workflow);
         `reference_dir`: the run's initial model (the KL reference and the critic's start);
         `dist`: the learner group (a group of one if None), for the critic's updates;
         `pack_attention`: pack sequences for the forward (learner/packing.py), with this
-        attention weight per key in the row-width choice; None: right-padded rows."""
+        attention weight per key in the row-width choice; None: right-padded rows;
+        `skip_zero_advantage`: leave rows without gradient out of the step, where the loss
+        stages allow it (`without_inert`)."""
         self.prepare_stages, self.loss_stages = build_stages(stages)
+        # each loss stage's aggregation, where rows whose advantage is 0 have no gradient
+        self.inert_modes = zero_at_zero_advantage(stages) if skip_zero_advantage else None
         self.entropy = needs_entropy(stages)  # the loss forward also gives the entropy field
         self.pad_id = pad_id
         self.bos_id = bos_id
@@ -184,6 +195,20 @@ class TokenObjective(Objective[TokenPiece]):
         data["mask"] = batch.completion_mask
         return TokenPiece(batch, data, empty=True)
 
+    def without_inert(self, piece: TokenPiece) -> TokenPiece | None:
+        """`piece` without its rows whose advantage is 0 at every trained token (or that have no
+        trained token): under a built-in policy loss their gradient is exactly 0, so the
+        forward and backward of the rest give the same update (`Denominator.share` keeps
+        their weight). None: nothing to leave out, or the workflow's loss has gradient there."""
+        if self.inert_modes is None or piece.empty:
+            return None
+        adv, mask = piece.fields["advantages"], piece.fields["mask"].bool()
+        nonzero = adv != 0 if adv.dim() == 1 else ((adv != 0) & mask).any(-1)
+        keep = nonzero & mask.any(-1)
+        if bool(keep.all()):
+            return None
+        return self._take(piece, keep.nonzero().squeeze(-1).cpu())
+
     def counts(self, piece: TokenPiece) -> tuple[float, float]:
         if piece.empty:
             return 0.0, 0.0
@@ -199,11 +224,13 @@ class TokenObjective(Objective[TokenPiece]):
         ctx = LossContext(denom, piece.batch, self.critic)
         total = torch.zeros((), device=data["logprobs"].device)
         stats: Stats = {}
-        for stage in self.loss_stages:
+        for i, stage in enumerate(self.loss_stages):
             out = stage.run(data, ctx)
-            total = total + stage.coef * out.loss
+            # a mean over the rows kept, weighed as the whole minibatch's (1 when none left out)
+            term = out.loss * denom.share(self.inert_modes[i]) if self.inert_modes else out.loss
+            total = total + stage.coef * term
             stats.update(out.metrics)
-            stats[stage.name] = out.loss.detach()
+            stats[stage.name] = term.detach()
         stats |= _forward_size(piece.batch, total.device)
         if piece.empty:
             total = total * 0.0

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from sluice.config.loss import CustomLoss
 from sluice.config.workflow import (
     BatchAdvantages,
     CriticValues,
@@ -25,12 +26,12 @@ from sluice.config.workflow import (
     ValueLoss,
     contract,
 )
-from sluice.learner.losses.aggregate import aggregate
+from sluice.learner.losses.aggregate import Aggregation, aggregate
 from sluice.learner.losses.base import LossOutput, TokenLossInputs
 from sluice.learner.losses.grpo import group_advantages, group_mean
 from sluice.learner.losses.kl import kl_penalty
 from sluice.learner.losses.ppo import value_loss
-from sluice.learner.losses.registry import TokenLoss, token_loss
+from sluice.learner.losses.registry import TOKEN_LOSSES, TokenLoss, token_loss
 from sluice.learner.stages.advantages import (
     batch_whitened,
     masked_whitened,
@@ -174,6 +175,25 @@ def needs_reference(stages: Sequence[Any]) -> bool:
 def needs_entropy(stages: Sequence[Any]) -> bool:
     """A loss stage reads the sampling distribution's entropy (the loss forward then computes it)."""
     return any(st.phase == "loss" and "entropy" in contract(st)[0] for st in stages)
+
+
+def zero_at_zero_advantage(stages: Sequence[Any]) -> list[Aggregation] | None:
+    """Each loss stage's aggregation where every loss stage is a built-in policy loss (grpo, ppo,
+    decoupled_ppo, gspo: a row's terms are the advantage times a function of its ratios, so a row
+    whose advantage is 0 has exactly 0 gradient); None where a term has gradient there (a KL or
+    entropy term, a value loss, a user's stage or loss)."""
+    modes: list[Aggregation] = []
+    for st in stages:
+        if st.phase != "loss":
+            continue
+        if (
+            not isinstance(st, PolicyLoss)
+            or isinstance(st.loss, CustomLoss)
+            or st.loss.type not in TOKEN_LOSSES
+        ):
+            return None
+        modes.append("sequence" if st.loss.type == "gspo" else st.aggregation)
+    return modes
 
 
 def critic_config(stages: Sequence[Any]) -> CriticValues | None:

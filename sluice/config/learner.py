@@ -69,6 +69,12 @@ class LearnerConfig(Section):
     attending only within itself, instead of right-padding every row to the widest: fewer
     positions computed where lengths vary (learner/packing.py). Used where the model passes a
     check at start-up (its packed logits equal its padded ones); otherwise padded."""
+    skip_zero_advantage: bool = True
+    """LLM policies: rows whose advantage is exactly 0 (a group that scored alike) are left out
+    of the forward and backward where the workflow's loss is a built-in policy loss alone, whose
+    gradient there is exactly 0: the same update for less compute (docs/architecture.md, "Rows
+    without gradient"). The loss's diagnostics are then means over the rows trained; the
+    `inert_frac` metric is the share of tokens left out."""
     ranks: int = Field(default=1, ge=1)
     """Processes of each learner group (torch.distributed world size). The launcher starts them
     with RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as torchrun does."""

@@ -2,13 +2,19 @@
 equivalence tests). Run with torchrun's environment; writes the parameters and the step
 statistics of rank 0 to OUT.
 
-    RANK=r WORLD_SIZE=k MASTER_ADDR=... MASTER_PORT=... python tests/helpers/group_step.py CONFIG OUT
+    RANK=r WORLD_SIZE=k MASTER_ADDR=... MASTER_PORT=... \
+        python tests/helpers/group_step.py CONFIG OUT [--alike]
+
+--alike: groups that score alike (zero advantages), which `learner.skip_zero_advantage` leaves
+out of the step: in the first step every group a 2-rank split gives rank 0 (so one rank has
+nothing left to compute while the other has), in the second every group.
 
 (with tests/ on PYTHONPATH, as `helpers.procs.child_env` sets it)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -43,6 +49,14 @@ def synthetic_batch(step: int, n_groups: int, group_size: int, vocab: int) -> li
     return out
 
 
+def scored_alike(batch: list[Trajectory], step: int, costs: list[int]) -> list[Trajectory]:
+    """`batch` with the groups of `--alike` (above) all rewarded 0.5."""
+    groups = [t.group_id for t in batch]
+    first_half = {groups[i] for i in assign_to_ranks(costs, groups, 2)[0]}
+    alike = set(groups) if step == 1 else first_half
+    return [dataclasses.replace(t, reward=0.5) if t.group_id in alike else t for t in batch]
+
+
 def main() -> None:
     cfg = load_config(sys.argv[1])
     out = Path(sys.argv[2])
@@ -54,6 +68,8 @@ def main() -> None:
     for step in range(2):
         batch = synthetic_batch(step, n_groups=4, group_size=4, vocab=10)
         costs = [trainer.objective.cost(t) for t in batch]
+        if "--alike" in sys.argv[3:]:
+            batch = scored_alike(batch, step, costs)
         shares = assign_to_ranks(costs, [t.group_id for t in batch], dist.world)
         stats.append(trainer.train_step([batch[i] for i in shares[dist.rank]]))
     with trainer.backend.full_params():
