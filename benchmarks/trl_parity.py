@@ -22,7 +22,12 @@ the update (docs/architecture.md, "Cores and threads", where the figures are):
    largest single parameter difference is reported, not asserted.
 
     .venv/bin/python benchmarks/trl_parity.py [--seeds 0 1 2] [--task copy] [--steps 10]
-        [--out DIR] [--sluice-override KEY=VALUE ...]
+        [--from-step N] [--out DIR] [--sluice-override KEY=VALUE ...]
+
+`--from-step N`: both start from TRL's policy after N steps of its own training (fresh
+optimisers), where many groups score alike: the rows Sluice leaves out of its step as having no
+gradient (`learner.skip_zero_advantage`) are then a large share of each batch. The untrained
+policy's first steps have few such groups.
 
 Prints a table (a row a seed) and writes DIR/trl_parity.json; exits 1 where a seed's
 advantages, gradients or weights differ beyond the tolerances below. TRL is an optional peer
@@ -107,6 +112,9 @@ def trl_steps(spec: dict[str, Any]) -> dict[str, Any]:
         callbacks=[Grads()],
     )
     trainer.train()
+    if spec.get("save_to"):  # a policy trained part-way, to compare steps from
+        model.save_pretrained(spec["save_to"])
+        tokenizer.save_pretrained(spec["save_to"])
     record["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     record["task"], record["tokenizer"] = task, tokenizer
     return record
@@ -246,8 +254,13 @@ def compare(trl: dict[str, Any], sluice: dict[str, Any], lr: float) -> dict[str,
 
 
 def check_seed(
-    seed: int, task: str, steps: int, model_dir: Path, work: Path, extra: list[str]
+    seed: int, task: str, steps: int, model_dir: Path, work: Path, extra: list[str], from_step: int = 0
 ) -> dict[str, Any]:
+    if from_step:  # TRL trains the policy part-way; both systems' compared steps start there
+        warm = spec_for(seed, task, from_step, model_dir, work / "warm", [])
+        warm["save_to"] = model_dir = work / "warm" / "model"
+        torch.manual_seed(seed)
+        trl_steps(warm)
     spec = spec_for(seed, task, steps, model_dir, work, extra)
     torch.manual_seed(seed)
     trl = trl_steps(spec)
@@ -282,12 +295,15 @@ def run_seeds(args: argparse.Namespace, console: Console) -> list[dict[str, Any]
     with tempfile.TemporaryDirectory(prefix="trl-parity-") as tmp, Progress(console=console) as progress:
         work = Path(tmp)
         vs_trl.build_model_dir(work / "model")
-        bar = progress.add_task(f"{args.task}: {args.steps} steps a seed", total=len(args.seeds))
+        after = f" after {args.from_step} of TRL's" if args.from_step else ""
+        bar = progress.add_task(f"{args.task}: {args.steps} steps a seed{after}", total=len(args.seeds))
         results = []
         for seed in args.seeds:
             extra = args.sluice_override
             results.append(
-                check_seed(seed, args.task, args.steps, work / "model", work / f"seed{seed}", extra)
+                check_seed(
+                    seed, args.task, args.steps, work / "model", work / f"seed{seed}", extra, args.from_step
+                )
             )
             progress.advance(bar)
     return results
@@ -298,11 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--task", choices=("copy", "reverse"), default="copy")
     parser.add_argument("--steps", type=int, default=10, help="steps of each system, one batch each")
+    parser.add_argument(
+        "--from-step", type=int, default=0, help="start both from TRL's policy after this many of its steps"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--sluice-override", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps: at least 1, not {args.steps}")
+    if args.from_step < 0:
+        parser.error(f"--from-step: 0 or more, not {args.from_step}")
     if not vs_trl.trl_available():
         sys.exit(vs_trl.SETUP_HINT)
     console = Console(width=160)
@@ -316,7 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         tolerances = {"advantage": ADV_TOL, "gradient": GRAD_TOL, "update": UPDATE_TOL}
-        data = {"sluice_overrides": args.sluice_override, "tolerances": tolerances, "results": results}
+        data = {
+            "sluice_overrides": args.sluice_override,
+            "from_step": args.from_step,
+            "tolerances": tolerances,
+            "results": results,
+        }
         (args.out / "trl_parity.json").write_text(json.dumps(data, indent=2))
     return 0 if all(r["ok"] for r in results) else 1
 

@@ -117,6 +117,11 @@ the token count of the whole generation batch, which is what Sluice's token aggr
 (its `Denominator` carries the whole batch's counts). "bnpo" divides by the local batch's
 tokens: the same number with one process and no accumulation, as here; "grpo" is per-sequence.
 
+What a step computes differs, not what it updates: Sluice leaves groups whose rewards all agree
+(advantages exactly 0) out of its forward and backward (`learner.skip_zero_advantage`, default
+on), where TRL computes them (its `frac_reward_zero_std`); benchmarks/trl_parity.py checks that
+the updates are the same.
+
     .venv/bin/python benchmarks/vs_trl.py [--seeds 0 1 2] [--tasks copy reverse] [--budget 180]
         [--out DIR] [--skip-trl] [--repeats N] [--group N] [--quick] [--sluice-config PATH]
         [--sluice-override KEY=VALUE ...]

@@ -51,6 +51,7 @@ PROM_GAUGES = {
     "fetch_gets": "GET calls that filled the last batch (1: it was waiting, whole, in the buffer)",
     "sync_s": "Seconds of the last step spent publishing weights",
     "forward_fill": "Share of the policy forward's positions holding a token (padding computed: the rest)",
+    "inert_frac": "Share of the last step's tokens left out of its forward: rows without gradient",
     "episode_return_mean": "Mean return of the last return_window episodes (classic RL)",
     "total_dropped_stale": "Samples dropped by the buffer for staleness (total)",
     "total_violations": "Samples that reached the learner beyond the staleness bound (total)",

@@ -30,6 +30,8 @@ def test_sluice_takes_trls_steps_and_a_different_objective_or_optimiser_is_caugh
     rc, same = check(parity, tmp_path, "same", "--steps", "10")
     assert rc == 0 and same["ok"]
     assert same["steps"] == 10 and same["sequences_per_step"] == 64 and same["groups_with_signal"] > 0
+    # some groups scored alike, so Sluice left rows out of its steps (learner.skip_zero_advantage)
+    assert same["groups_with_signal"] < 10 * 8
     assert same["advantage_max_abs_diff"] <= parity.ADV_TOL
     assert same["clipped_grad_rel_l2"] <= parity.GRAD_TOL
     assert same["update_rel_l2"] <= parity.UPDATE_TOL
@@ -51,7 +53,10 @@ def test_sluice_takes_trls_steps_and_a_different_objective_or_optimiser_is_caugh
     assert betas["advantage_max_abs_diff"] <= parity.ADV_TOL and betas["update_rel_l2"] > parity.UPDATE_TOL
 
 
-def test_a_bad_step_count_is_refused_naming_the_flag(parity, capsys):
+def test_bad_step_counts_are_refused_naming_the_flag(parity, capsys):
     with pytest.raises(SystemExit):
         parity.main(["--steps", "0"])
     assert "--steps: at least 1, not 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parity.main(["--from-step", "-1"])
+    assert "--from-step: 0 or more, not -1" in capsys.readouterr().err
