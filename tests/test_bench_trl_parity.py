@@ -25,7 +25,7 @@ def check(parity, tmp_path, name: str, *args: str) -> tuple[int, dict]:
     return rc, result
 
 
-@pytest.mark.slow  # three runs of a few GRPOTrainer and Sluice steps each (~17 s)
+@pytest.mark.slow  # four runs of a few GRPOTrainer and Sluice steps each (~20 s)
 def test_sluice_takes_trls_steps_and_a_different_objective_or_optimiser_is_caught(parity, tmp_path):
     rc, same = check(parity, tmp_path, "same", "--steps", "10")
     assert rc == 0 and same["ok"]
@@ -51,6 +51,10 @@ def test_sluice_takes_trls_steps_and_a_different_objective_or_optimiser_is_caugh
     )
     assert rc == 1 and not betas["ok"]
     assert betas["advantage_max_abs_diff"] <= parity.ADV_TOL and betas["update_rel_l2"] > parity.UPDATE_TOL
+    # from a policy TRL trained part-way (fresh optimisers): the same check, the same verdict
+    rc, warm = check(parity, tmp_path, "warm", "--steps", "3", "--from-step", "3")
+    assert rc == 0 and warm["ok"] and warm["steps"] == 3
+    assert json.loads((tmp_path / "warm" / "trl_parity.json").read_text())["from_step"] == 3
 
 
 def test_bad_step_counts_are_refused_naming_the_flag(parity, capsys):
