@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.groups import group_of
 
 from sluice.config import load_config
 from sluice.learner.dist import DistContext
@@ -23,24 +24,19 @@ def batch(rewards: list[list[float]]) -> list[Trajectory]:
     weights != 1)."""
     rng = np.random.default_rng(0)
     size = len(rewards[0])
-    out = []
-    for i, n in enumerate(LENGTHS):
-        g = i // size
-        out.append(
-            Trajectory(
-                traj_id=f"t{i}",
-                group_id=f"g{g}",
-                version=0,
-                group_size=size,
-                reward=rewards[g][i % size],
-                arrays={
-                    "prompt_ids": np.asarray([1, 3 + g, 4 + g], dtype=np.int32),
-                    "completion_ids": rng.integers(3, 13, n).astype(np.int32),
-                    "behaviour_logprobs": rng.uniform(-3, -1, n).astype(np.float32),
-                },
-            )
-        )
-    return out
+    rows = [
+        {
+            "prompt_ids": np.asarray([1, 3 + i // size, 4 + i // size], dtype=np.int32),
+            "completion_ids": rng.integers(3, 13, n).astype(np.int32),
+            "behaviour_logprobs": rng.uniform(-3, -1, n).astype(np.float32),
+        }
+        for i, n in enumerate(LENGTHS)
+    ]
+    return [
+        t
+        for g, r in enumerate(rewards)
+        for t in group_of(f"g{g}", rows[g * size : (g + 1) * size], rewards=r)
+    ]
 
 
 def step(tmp_path, skip: bool, trajs: list[Trajectory], overrides=()) -> tuple[dict, dict, dict]:

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from sluice.config.loss import CustomLoss
 from sluice.config.workflow import (
     BatchAdvantages,
     CriticValues,
@@ -186,11 +185,8 @@ def zero_at_zero_advantage(stages: Sequence[Any]) -> list[Aggregation] | None:
     for st in stages:
         if st.phase != "loss":
             continue
-        if (
-            not isinstance(st, PolicyLoss)
-            or isinstance(st.loss, CustomLoss)
-            or st.loss.type not in TOKEN_LOSSES
-        ):
+        # a user's loss has its reference as `type`, never a key of the built-in table
+        if not isinstance(st, PolicyLoss) or st.loss.type not in TOKEN_LOSSES:
             return None
         modes.append("sequence" if st.loss.type == "gspo" else st.aggregation)
     return modes
