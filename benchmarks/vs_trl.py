@@ -23,11 +23,15 @@ step and took 4-6% longer, so this is the tighter bound. TRL runs as its users r
 Stop rule: the 5-step trailing mean of the per-step mean reward reaches 0.9 (the first steps at
 which it reached 0.5 and 0.7 are recorded too), or the run's clock passes `--budget` seconds
 (default 180), the same for both systems: what is compared is time to the threshold, so each
-gets the same time to reach it. A cap in steps (`--max-steps`, now only a safety) gave the
-system with the faster step less time: at 1,000 steps Sluice had stopped at ~65 s of clock
-while TRL still had ~125 s, and a Sluice run that would have reached 0.9 at step 1,100 (~72 s,
-sooner than TRL's 105 s on seed 0) counted as never reaching it. Points past the budget are cut
-from both curves.
+gets the same time to reach it. A cap in steps gave the system with the faster step less time:
+at 1,000 steps Sluice had stopped at ~65 s of clock while TRL still had ~125 s, and a Sluice run
+that would have reached 0.9 at step 1,100 (~72 s, sooner than TRL's 105 s on seed 0) counted as
+never reaching it. So by default only the budget ends a run: TRL's `max_steps` stays at 5,000
+(TRL_STEPS; it also sizes TRL's prompt dataset, which is part of TRL's draw, so it stays as the
+earlier passes ran it; 180 s of TRL's 0.066 s steps is ~2,700), and Sluice's learner gets a cap
+the budget cannot reach (SLUICE_STEPS; at 5,000 two plateau runs stopped at 168 and 175 s).
+`--max-steps N` caps both at N, as an on-policy comparison in steps wants. Points past the
+budget are cut from both curves.
 - TRL runs in its own process (`--trl-worker`); a TrainerCallback records (step, reward, wall
   time since on_train_begin) at each log (every step) and sets `should_training_stop`. Per
   step: time in `_generate_and_score_completions` (generation + reward + advantages),
@@ -187,6 +191,8 @@ STOP_AT = 0.9
 WINDOW = 5
 TRL_THREADS = 2
 BUDGET_S = 180.0  # clock seconds a run gets, the same for both systems (module docstring)
+TRL_STEPS = 5000  # TRL's max_steps without --max-steps; it sizes TRL's prompt dataset too
+SLUICE_STEPS = 100_000  # Sluice's learner.total_steps without --max-steps: the budget ends it first
 CPU_WARMUP_STEPS = 20  # CPU per step is read from this step to the run's end (cpu_use.py)
 TASK_SEED = 7919  # a rollout service's task seed is run.seed * 7919 + its index
 LEARNER = LearnerConfig()  # Sluice's optimiser defaults, passed explicitly to both systems
@@ -413,7 +419,7 @@ def sluice_overrides(spec: dict, run_dir: Path) -> list[str]:
         f"learner.batch_size={step_batch(group)}",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
         f"rollout.temperature={TEMPERATURE}",
-        f"learner.total_steps={spec['max_steps']}",
+        f"learner.total_steps={spec['max_steps'] or SLUICE_STEPS}",
         f"learner.lr={LR}",
         "learner.lr_schedule=constant",
         "learner.warmup_steps=0",
@@ -632,7 +638,7 @@ def grpo_config(spec: dict):
         beta=0.0,
         entropy_coef=0.0,
         num_iterations=1,
-        max_steps=spec["max_steps"],
+        max_steps=spec["max_steps"] or TRL_STEPS,
         logging_steps=1,
         report_to=[],
         save_strategy="no",
@@ -715,7 +721,7 @@ def trl_worker(spec_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     task = make_task(spec["task"], spec["seed"] * TASK_SEED)
-    dataset = trl_dataset(task, tokenizer, rows=PROMPTS * spec["max_steps"])
+    dataset = trl_dataset(task, tokenizer, rows=PROMPTS * (spec["max_steps"] or TRL_STEPS))
     timing: dict[str, float] = {}
     trainer_cls, callback = timed_trainer(log, timing, step_batch(spec["group"]))
     trainer = trainer_cls(
@@ -1233,7 +1239,9 @@ def parse_args() -> argparse.Namespace:
         default=BUDGET_S,
         help="clock seconds each run gets to reach the threshold (both systems alike)",
     )
-    p.add_argument("--max-steps", type=int, default=5000, help="a safety: the budget is the cap compared")
+    p.add_argument("--max-steps", type=int,
+                   help=f"cap both systems at N steps (default: the budget ends a run; TRL {TRL_STEPS}, "
+                   f"Sluice {SLUICE_STEPS}, module docstring)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run from launch (a safety)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vs_trl")
     p.add_argument("--skip-trl", action="store_true", help="run Sluice (and the bound) only")
@@ -1252,6 +1260,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.max_steps is not None and args.max_steps < 1:
+        p.error(f"--max-steps must be at least 1, got {args.max_steps}")
     if args.bound_repeats < 1:
         p.error(
             f"--bound-repeats must be at least 1 (the bound is a median of repeats), got {args.bound_repeats}"
@@ -1347,7 +1357,8 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
         "model_init": MODEL_INIT, "parameters": params, "task_length": TASK_LENGTH, "prompts": PROMPTS,
         "group": args.group, "batch": step_batch(args.group), "max_new_tokens": MAX_NEW_TOKENS, "lr": LR,
         "temperature": TEMPERATURE,
-        "stop_at": STOP_AT, "window": WINDOW, "thresholds": THRESHOLDS, "max_steps": args.max_steps,
+        "stop_at": STOP_AT, "window": WINDOW, "thresholds": THRESHOLDS,
+        "max_steps": {"trl": args.max_steps or TRL_STEPS, "sluice": args.max_steps or SLUICE_STEPS},
         "budget_s": args.budget,
         "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
         "trl_threads": TRL_THREADS, "quick": args.quick, "repeats": args.repeats,

@@ -169,6 +169,7 @@ def test_each_seed_runs_trl_once_and_sluice_repeats_times(bench, monkeypatch, tm
     ("flag", "value", "error"),
     [("--repeats", "0", "--repeats must be at least 1, got 0"),
      ("--repeats", "-1", "--repeats must be at least 1, got -1"),
+     ("--max-steps", "0", "--max-steps must be at least 1, got 0"),
      ("--group", "1", "--group must be at least 2 (group advantages need two completions), got 1")],
 )  # fmt: skip
 def test_a_bad_repeat_or_group_count_is_refused_naming_the_flag(
@@ -188,6 +189,19 @@ def test_the_group_sets_both_systems_batch(bench, tmp_path):
         overrides
     )
     assert {"run.seed=3", "task.name=copy", "learner.total_steps=9", "model.path=m"} <= set(overrides)
+
+
+def test_without_a_step_cap_only_the_budget_ends_sluice_and_trl_keeps_its_dataset(bench, tmp_path):
+    spec = {"task": "copy", "seed": 3, "model_dir": "m", "max_steps": None, "group": 8}
+    assert f"learner.total_steps={bench.SLUICE_STEPS}" in bench.sluice_overrides(spec, tmp_path)
+    assert bench.SLUICE_STEPS * 0.02 > bench.BUDGET_S * 10  # a 20 ms step could not reach it in 10 budgets
+    pytest.importorskip("trl")
+    trl_config = bench.grpo_config({**spec, "output_dir": str(tmp_path)})
+    assert trl_config.max_steps == 5000  # and its prompt dataset, as every earlier pass had them
+    capped = bench.grpo_config({**spec, "max_steps": 9, "output_dir": str(tmp_path)})
+    assert capped.max_steps == 9 and "learner.total_steps=9" in bench.sluice_overrides(
+        {**spec, "max_steps": 9}, tmp_path
+    )
 
 
 class FakeProc:
