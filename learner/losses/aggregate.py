@@ -8,11 +8,10 @@ summing `aggregate(...)` over every piece gives exactly the mean over the whole 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Aggregation = Literal["token", "sequence"]
+from sluice.config.loss import Aggregation
 
 
 @dataclass(frozen=True)

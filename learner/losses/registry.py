@@ -14,6 +14,7 @@ from typing import Any
 
 from sluice.config.errors import ConfigError
 from sluice.config.loss import CustomLoss, DecoupledPPOLoss, GrpoLoss, GspoLoss, LossConfig, PPOLoss
+from sluice.learner.losses.aggregate import Aggregation
 from sluice.learner.losses.base import LossOutput, TokenLossInputs
 from sluice.learner.losses.decoupled import decoupled_ppo_loss
 from sluice.learner.losses.grpo import grpo_loss
@@ -59,7 +60,7 @@ def decoupled_ppo(x: TokenLossInputs, p: DecoupledPPOLoss) -> LossOutput:
 
 
 def gspo(x: TokenLossInputs, p: GspoLoss) -> LossOutput:
-    """Sequence-level by definition: `aggregation` does not apply. pi_old is the proximal
+    """Sequence-level by definition (SEQUENCE_LOSSES): `aggregation` does not apply. pi_old is the proximal
     policy when the workflow computes it (`recompute_proximal`), else mu."""
     old = x.proximal_logprobs if p.recompute_proximal else x.behaviour_logprobs
     assert old is not None, "gspo with recompute_proximal needs a proximal_logprobs stage"
@@ -72,6 +73,14 @@ TOKEN_LOSSES: dict[str, TokenLoss] = {
     "decoupled_ppo": decoupled_ppo,
     "gspo": gspo,
 }
+SEQUENCE_LOSSES = frozenset({"gspo"})
+"""Built-ins whose terms are means over sequences whatever the stage's `aggregation` says."""
+
+
+def aggregation_of(loss_type: str, aggregation: Aggregation) -> Aggregation:
+    """How a built-in loss's terms share the minibatch: by sequences for SEQUENCE_LOSSES, else as
+    the stage aggregates."""
+    return "sequence" if loss_type in SEQUENCE_LOSSES else aggregation
 
 
 def token_loss(cfg: LossConfig) -> tuple[TokenLoss, Any]:

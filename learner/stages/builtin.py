@@ -30,7 +30,7 @@ from sluice.learner.losses.base import LossOutput, TokenLossInputs
 from sluice.learner.losses.grpo import group_advantages, group_mean
 from sluice.learner.losses.kl import kl_penalty
 from sluice.learner.losses.ppo import value_loss
-from sluice.learner.losses.registry import TOKEN_LOSSES, TokenLoss, token_loss
+from sluice.learner.losses.registry import TOKEN_LOSSES, TokenLoss, aggregation_of, token_loss
 from sluice.learner.stages.advantages import (
     batch_whitened,
     masked_whitened,
@@ -188,7 +188,7 @@ def zero_at_zero_advantage(stages: Sequence[Any]) -> list[Aggregation] | None:
         # a user's loss has its reference as `type`, never a key of the built-in table
         if not isinstance(st, PolicyLoss) or st.loss.type not in TOKEN_LOSSES:
             return None
-        modes.append("sequence" if st.loss.type == "gspo" else st.aggregation)
+        modes.append(aggregation_of(st.loss.type, st.aggregation))
     return modes
 
 

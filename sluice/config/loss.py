@@ -22,6 +22,8 @@ from sluice.config.base import Section
 from sluice.plugins import PluginRef, is_reference
 
 BUILTIN_LOSSES = ("grpo", "ppo", "decoupled_ppo", "gspo", "vtrace")
+Aggregation = Literal["token", "sequence"]
+"""How a loss's terms become one number: a mean over the batch's tokens, or over its sequences."""
 CUSTOM_TAG = "type=<reference>"
 
 
@@ -147,7 +149,7 @@ def needs_proximal(loss: LossConfig) -> bool:
 class LLMObjectiveConfig(Section):
     """The LLM (token) objective around any loss: advantages, aggregation, KL (rollout.kind llm)."""
 
-    aggregation: Literal["token", "sequence"] = "token"
+    aggregation: Aggregation = "token"
     """token: mean over all tokens of the batch (DAPO's token-level loss); sequence: mean over
     sequences of each sequence's token mean (the original GRPO). Used by the loss and the KL."""
     adv_eps: float = Field(default=1e-4, gt=0)

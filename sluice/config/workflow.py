@@ -25,6 +25,7 @@ from pydantic import Discriminator, Field, Tag, field_validator
 
 from sluice.config.base import Section
 from sluice.config.loss import (
+    Aggregation,
     ClassicObjectiveConfig,
     GrpoLoss,
     LossConfig,
@@ -34,7 +35,6 @@ from sluice.config.loss import (
 from sluice.plugins import PluginRef, is_reference
 
 Phase = Literal["prepare", "loss"]
-Aggregation = Literal["token", "sequence"]
 
 LLM_BATCH_FIELDS = ("behaviour_logprobs", "mask", "rewards", "group_index", "versions", "truncated")
 """What an LLM learner batch starts with (shapes in learner/stages/base.py)."""
