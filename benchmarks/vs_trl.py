@@ -404,6 +404,12 @@ def within_budget(curve: list[dict], budget_s: float) -> list[dict]:
     return [c for c in curve if c["time_s"] <= budget_s]
 
 
+def step_caps(max_steps: int | None) -> dict[str, int]:
+    """Each system's cap in steps: `--max-steps` for both, else TRL_STEPS for TRL (it sizes its
+    prompt dataset too) and SLUICE_STEPS for Sluice, which the budget reaches first."""
+    return {"trl": max_steps or TRL_STEPS, "sluice": max_steps or SLUICE_STEPS}
+
+
 def sluice_overrides(spec: dict, run_dir: Path) -> list[str]:
     lc, group = LEARNER, spec["group"]
     return [
@@ -419,7 +425,7 @@ def sluice_overrides(spec: dict, run_dir: Path) -> list[str]:
         f"learner.batch_size={step_batch(group)}",
         f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
         f"rollout.temperature={TEMPERATURE}",
-        f"learner.total_steps={spec['max_steps'] or SLUICE_STEPS}",
+        f"learner.total_steps={step_caps(spec['max_steps'])['sluice']}",
         f"learner.lr={LR}",
         "learner.lr_schedule=constant",
         "learner.warmup_steps=0",
@@ -638,7 +644,7 @@ def grpo_config(spec: dict):
         beta=0.0,
         entropy_coef=0.0,
         num_iterations=1,
-        max_steps=spec["max_steps"] or TRL_STEPS,
+        max_steps=step_caps(spec["max_steps"])["trl"],
         logging_steps=1,
         report_to=[],
         save_strategy="no",
@@ -721,7 +727,7 @@ def trl_worker(spec_path: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     task = make_task(spec["task"], spec["seed"] * TASK_SEED)
-    dataset = trl_dataset(task, tokenizer, rows=PROMPTS * (spec["max_steps"] or TRL_STEPS))
+    dataset = trl_dataset(task, tokenizer, rows=PROMPTS * step_caps(spec["max_steps"])["trl"])
     timing: dict[str, float] = {}
     trainer_cls, callback = timed_trainer(log, timing, step_batch(spec["group"]))
     trainer = trainer_cls(
@@ -1358,7 +1364,7 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
         "group": args.group, "batch": step_batch(args.group), "max_new_tokens": MAX_NEW_TOKENS, "lr": LR,
         "temperature": TEMPERATURE,
         "stop_at": STOP_AT, "window": WINDOW, "thresholds": THRESHOLDS,
-        "max_steps": {"trl": args.max_steps or TRL_STEPS, "sluice": args.max_steps or SLUICE_STEPS},
+        "max_steps": step_caps(args.max_steps),
         "budget_s": args.budget,
         "sluice_config": str(args.sluice_config), "sluice_overrides": args.sluice_override,
         "trl_threads": TRL_THREADS, "quick": args.quick, "repeats": args.repeats,

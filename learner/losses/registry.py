@@ -13,8 +13,15 @@ from collections.abc import Callable
 from typing import Any
 
 from sluice.config.errors import ConfigError
-from sluice.config.loss import CustomLoss, DecoupledPPOLoss, GrpoLoss, GspoLoss, LossConfig, PPOLoss
-from sluice.learner.losses.aggregate import Aggregation
+from sluice.config.loss import (
+    Aggregation,
+    CustomLoss,
+    DecoupledPPOLoss,
+    GrpoLoss,
+    GspoLoss,
+    LossConfig,
+    PPOLoss,
+)
 from sluice.learner.losses.base import LossOutput, TokenLossInputs
 from sluice.learner.losses.decoupled import decoupled_ppo_loss
 from sluice.learner.losses.grpo import grpo_loss
