@@ -132,7 +132,8 @@ the updates are the same.
 
 Writes DIR/vs_trl.json and DIR/vs_trl.png (reward vs wall time and vs steps, every run; the
 share of each system's runs at 0.9 by wall time) and prints the tables. TRL is an optional
-peer: `bash scripts/setup_bench.sh` installs it.
+peer: `bash scripts/setup_bench.sh` installs it. `benchmarks/vs_trl_pool.py` pools several
+results (passes from different sessions) into one comparison over all their seeds.
 `--quick` is a smoke run (one seed, one task, 6 steps, a short bound, `rollout.engine=hf` so no
 vLLM start-up): 35-60 s without TRL, 60-90 s with it, on this 2-core machine while others load it.
 """

@@ -1,0 +1,318 @@
+"""Pool several vs_trl.py results into one comparison over all their seeds.
+
+A seed is a draw (docs/architecture.md, "Steps to a reward are a distribution over seeds"), and
+one vs_trl pass is 16 seeds in ~45 min on two cores. Whether Sluice takes more steps than TRL to
+a reward, or wins more seeds than it loses, is a question about many seeds: several passes,
+each from its own session. This reads their JSONs, checks that they ran the same workload (the
+fields in SAME_WORKLOAD; a result that differs is refused, naming the field and both files),
+keeps each seed's first run of each system (`--repeats` runs past the first are left out and
+counted; a seed in two files is refused) and reports, per task, over all the seeds:
+
+- vs_trl's own summary (`vs_trl.summarize`) of the pooled runs: the time ratio seed by seed,
+  on how many seeds Sluice was faster, the censored medians, and whether Sluice's share of runs
+  at the threshold was at least TRL's at every wall time;
+- per threshold (0.5, 0.7, 0.9): on how many seeds each system reached it, and over the seeds
+  where both did, Sluice/TRL in steps and in time: on how many seeds Sluice took more, the sign
+  test's two-sided p (`scipy.stats.binomtest`; ties left out), the geometric mean of the ratios
+  with a 95% bootstrap interval (`scipy.stats.bootstrap`, BCa, a fixed seed) and their median.
+  The copy task's plateau sits at 0.75, so 0.5 and 0.7 compare the climb without its lottery;
+- the time per step, Sluice/TRL seed by seed (median and range).
+
+scipy, not hand-written tests and resampling: it is the reference implementation, and it comes
+with the benchmark extra (scripts/setup_bench.sh) that vs_trl.py needs anyway.
+
+    .venv/bin/python benchmarks/vs_trl_pool.py RESULT [RESULT ...] [--out DIR]
+
+RESULT: a vs_trl.json, or a directory holding one. Writes DIR/vs_trl_pool.json and
+DIR/vs_trl_pool.png (per task: the share of seeds each system had brought to each threshold by
+steps, and to the stop threshold by wall time) and prints the tables. Exits 2 on a result it
+refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vs_trl  # noqa: E402
+
+SYSTEMS = ("sluice", "trl")
+COLORS = {"sluice": "tab:blue", "trl": "tab:orange"}
+# What a run trained on and how it was judged: results that differ in any of these do not pool.
+# Left out on purpose: `max_steps` (since the thirteenth pass the budget ends both systems' runs
+# first; before it, a Sluice plateau run could stop at 5,000 steps a few seconds short of the
+# budget, which censors it the same way) and `repeats` (only first runs are pooled). A `quick`
+# result is refused whatever the others hold.
+SAME_WORKLOAD = (
+    "model_init", "task_length", "prompts", "group", "batch", "max_new_tokens", "lr", "temperature",
+    "stop_at", "window", "thresholds", "budget_s", "sluice_config", "sluice_overrides", "trl_threads",
+)  # fmt: skip
+BOOTSTRAP_SEED = 0
+
+
+class PoolError(ValueError):
+    """A result that cannot be pooled; the message names the file and the field."""
+
+
+def load_results(paths: list[Path]) -> list[tuple[Path, dict]]:
+    """Each RESULT argument's vs_trl.json, parsed and checked to be a full vs_trl.py result."""
+    out = []
+    for given in paths:
+        path = given / "vs_trl.json" if given.is_dir() else given
+        if not path.is_file():
+            raise PoolError(f"{given}: no vs_trl.json there")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise PoolError(f"{path}: not JSON ({e})") from None
+        missing = [k for k in ("workload", "runs") if k not in (data if isinstance(data, dict) else {})]
+        if missing:
+            raise PoolError(f"{path}: not a vs_trl.py result (no {missing[0]!r})")
+        if data["workload"].get("quick"):
+            raise PoolError(f"{path}: workload.quick is set: a smoke run, not a measurement")
+        out.append((path, data))
+    return out
+
+
+def check_same_workload(results: list[tuple[Path, dict]]) -> None:
+    """Refuse results whose workloads differ in a field of SAME_WORKLOAD."""
+    (first_path, first), *rest = results
+    for path, data in rest:
+        for key in SAME_WORKLOAD:
+            a, b = first["workload"].get(key), data["workload"].get(key)
+            if a != b:
+                raise PoolError(f"workload.{key} differs: {a!r} in {first_path}, {b!r} in {path}")
+
+
+def first_runs(results: list[tuple[Path, dict]]) -> tuple[list[dict], int]:
+    """Every seed's first run of each system over all the results, and how many later repeats
+    were left out (a seed's repeats are draws of one seed, not more seeds)."""
+    runs: list[dict] = []
+    seen: dict[tuple, Path] = {}
+    left_out = 0
+    for path, data in results:
+        for r in data["runs"]:
+            if r.get("repeat", 0):
+                left_out += 1
+                continue
+            key = (r["task"], r["seed"], r["system"])
+            if key in seen:
+                raise PoolError(
+                    f"seed {r['seed']} ({r['task']}, {r['system']}) is in both {seen[key]} and {path}"
+                )
+            seen[key] = path
+            runs.append(r)
+    return runs, left_out
+
+
+def paired(pairs: list[tuple[float, float]]) -> dict:
+    """Sluice/TRL over seeds, each pair (sluice, trl): the module docstring's statistics."""
+    from scipy import stats
+
+    if not pairs:
+        return {"seeds": 0}
+    logs = np.log([s / t for s, t in pairs])
+    more, fewer = int((logs > 0).sum()), int((logs < 0).sum())
+    interval = None
+    if len(logs) >= 3 and np.ptp(logs) > 0:
+        ci = stats.bootstrap(
+            (logs,), np.mean, method="BCa", rng=np.random.default_rng(BOOTSTRAP_SEED)
+        ).confidence_interval
+        if np.isfinite([ci.low, ci.high]).all():  # BCa gives NaN where the resamples degenerate
+            interval = [float(np.exp(ci.low)), float(np.exp(ci.high))]
+    return {
+        "seeds": len(pairs), "sluice_more": more, "sluice_fewer": fewer,
+        "sign_p": float(stats.binomtest(more, more + fewer).pvalue) if more + fewer else None,
+        "geomean_ratio": float(np.exp(logs.mean())), "geomean_95": interval,
+        "median_ratio": float(np.exp(np.median(logs))),
+    }  # fmt: skip
+
+
+def by_threshold(runs: list[dict], thresholds: list[float]) -> dict[str, dict]:
+    """Per threshold: seeds reached by each system, their median steps, and the paired ratios
+    over the seeds both reached (one task's runs)."""
+    of = {(r["seed"], r["system"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    out = {}
+    for thr in map(str, thresholds):
+        cross = {
+            system: {s: c for s in seeds if (r := of.get((s, system))) and (c := r["crossings"].get(thr))}
+            for system in SYSTEMS
+        }
+        both = [s for s in seeds if s in cross["sluice"] and s in cross["trl"]]
+        out[thr] = {
+            "runs": {system: sum((s, system) in of for s in seeds) for system in SYSTEMS},
+            "reached": {system: len(cross[system]) for system in SYSTEMS},
+            "median_steps": {
+                system: statistics.median(c["step"] for c in cross[system].values())
+                if cross[system]
+                else None
+                for system in SYSTEMS
+            },
+            "steps": paired([(cross["sluice"][s]["step"], cross["trl"][s]["step"]) for s in both]),
+            "time": paired([(cross["sluice"][s]["time_s"], cross["trl"][s]["time_s"]) for s in both]),
+        }
+    return out
+
+
+def per_step(runs: list[dict]) -> dict:
+    """Sluice's time per step over TRL's, seed by seed (each run's clock / steps to its stop)."""
+    of = {(r["seed"], r["system"]): r for r in runs}
+    ratios = sorted(
+        of[(s, "sluice")]["s_per_step"] / of[(s, "trl")]["s_per_step"]
+        for s in sorted({r["seed"] for r in runs})
+        if all(of.get((s, system), {}).get("s_per_step") for system in SYSTEMS)
+    )
+    if not ratios:
+        return {"seeds": 0}
+    return {"seeds": len(ratios), "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
+
+
+def pool_task(runs: list[dict], task: str, thresholds: list[float]) -> dict:
+    """Everything the module docstring lists, for one task's pooled runs."""
+    mine = [r for r in runs if r["task"] == task]
+    seeds = sorted({r["seed"] for r in mine})
+    summary = vs_trl.summarize(mine, [task], seeds)[task]
+    rows = [row for row in summary["per_seed"] if "sluice" in row and "trl" in row]
+    verdicts = [vs_trl.against_sluice(row, "time_ratio") for row in rows if "time_ratio" in row]
+    return {
+        "seeds": seeds,
+        "sluice_faster_on": sum(x < 1 for x in verdicts),
+        "trl_faster_on": sum(x > 1 for x in verdicts),
+        "neither_reached": len(rows) - len(verdicts),
+        "summary": summary,
+        "thresholds": by_threshold(mine, thresholds),
+        "s_per_step_ratio": per_step(mine),
+    }
+
+
+def pool(results: list[tuple[Path, dict]]) -> dict:
+    """The pooled comparison of checked results (check_same_workload first)."""
+    runs, left_out = first_runs(results)
+    workload = results[0][1]["workload"]
+    tasks = sorted({r["task"] for r in runs})
+    return {
+        "workload": {k: workload.get(k) for k in SAME_WORKLOAD},
+        "sources": [
+            {
+                "path": str(path),
+                "seeds": sorted({r["seed"] for r in data["runs"]}),
+                "max_steps": data["workload"].get("max_steps"),
+            }
+            for path, data in results
+        ],  # fmt: skip
+        "repeats_left_out": left_out,
+        "tasks": {task: pool_task(runs, task, workload["thresholds"]) for task in tasks},
+        "runs": runs,
+    }
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def ratio_cell(p: dict) -> str:
+    """'1.06 [0.98, 1.15], median 1.10; more on 30 of 50 (p 0.20)'."""
+    if not p["seeds"]:
+        return "-"
+    ci = p["geomean_95"]
+    band = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+    sign = "-" if p["sign_p"] is None else f"{p['sign_p']:.2g}"
+    return (
+        f"{p['geomean_ratio']:.2f}{band}, median {p['median_ratio']:.2f}; "
+        f"more on {p['sluice_more']} of {p['seeds']} (p {sign})"
+    )
+
+
+def task_table(task: str, pooled: dict) -> Table:
+    n = len(pooled["seeds"])
+    table = Table(title=f"{task}: Sluice / TRL over {n} seeds (each system's first run of each)")
+    for col in (
+        "threshold",
+        "reached (S / T)",
+        "median steps (S / T)",
+        "steps: Sluice/TRL",
+        "time: Sluice/TRL",
+    ):
+        table.add_column(col)
+    for thr, t in pooled["thresholds"].items():
+        reached = f"{t['reached']['sluice']} / {t['reached']['trl']}"
+        steps = " / ".join(vs_trl.fmt(t["median_steps"][s], ".0f") for s in SYSTEMS)
+        table.add_row(thr, reached, steps, ratio_cell(t["steps"]), ratio_cell(t["time"]))
+    s, step = pooled["summary"], pooled["s_per_step_ratio"]
+    table.add_section()
+    table.add_row("time ratio", f"median {vs_trl.fmt(s['median_time_ratio'], '.2f')}", "", "", "")
+    table.add_row(
+        "faster on", f"Sluice {pooled['sluice_faster_on']}, TRL {pooled['trl_faster_on']}",
+        f"neither reached: {pooled['neither_reached']}", "", "",
+    )  # fmt: skip
+    ahead = {True: "yes", False: "no", None: "-"}[s["sluice_ahead_at_every_time"]]
+    table.add_row("ahead", f"Sluice's share at {vs_trl.STOP_AT} >= TRL's at every time: {ahead}", "", "", "")
+    if step["seeds"]:
+        span = f"median {step['median']:.2f} ({step['min']:.2f}-{step['max']:.2f})"
+        table.add_row("s / step", span, "", "", "")
+    return table
+
+
+def plot(result: dict, path: Path) -> None:
+    """Per task: the share of seeds at each threshold by steps (top), at the stop threshold by
+    wall time (bottom, vs_trl's panel)."""
+    from matplotlib.figure import Figure
+
+    tasks = list(result["tasks"])
+    fig = Figure(figsize=(6 * len(tasks), 8), layout="constrained")
+    axes = fig.subplots(2, len(tasks), squeeze=False)
+    styles = ["--", ":", "-"]
+    for col, task in enumerate(tasks):
+        pooled, ax = result["tasks"][task], axes[0][col]
+        for (thr, t), ls in zip(pooled["thresholds"].items(), styles):
+            for system in SYSTEMS:
+                steps = sorted(
+                    c["step"] for r in result["runs"]
+                    if r["task"] == task and r["system"] == system and (c := r["crossings"].get(thr))
+                )  # fmt: skip
+                n = t["runs"][system]
+                if n:
+                    ys = [i / n for i in range(len(steps) + 1)]
+                    label = f"{system} to {thr}: {len(steps)} of {n}"
+                    ax.step([0, *steps], ys, where="post", color=COLORS[system], ls=ls, label=label)
+        ax.set(xlabel="step (optimizer updates)", ylabel="share of seeds at the threshold", ylim=(0, 1.02))
+        ax.set_title(f"{task}: {len(pooled['seeds'])} seeds pooled")
+        ax.legend(fontsize=7)
+        vs_trl.plot_reached_by_time(axes[1][col], [r for r in result["runs"] if r["task"] == task], COLORS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path, nargs="+", help="vs_trl.json files or directories holding one")
+    p.add_argument("--out", type=Path, default=vs_trl.ROOT / "benchmarks" / "results" / "vs_trl_pool")
+    args = p.parse_args()
+    console = Console(width=200)
+    try:
+        results = load_results(args.results)
+        check_same_workload(results)
+        result = pool(results)
+    except PoolError as e:
+        console.print(f"[red]{e}")
+        sys.exit(2)
+    for task, pooled in result["tasks"].items():
+        console.print(task_table(task, pooled))
+    console.print(f"{result['repeats_left_out']} later repeats left out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "vs_trl_pool.json").write_text(json.dumps(result, indent=2))
+    plot(result, args.out / "vs_trl_pool.png")
+    console.print(f"wrote {args.out / 'vs_trl_pool.json'} and {args.out / 'vs_trl_pool.png'}")
+
+
+if __name__ == "__main__":
+    main()
