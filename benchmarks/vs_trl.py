@@ -165,6 +165,7 @@ from cpu_use import CpuSampler  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
+from seed_pairs import by_threshold, pairs_table, per_step  # noqa: E402
 
 from sluice.config.learner import LearnerConfig  # noqa: E402
 from sluice.launch.heap import retain_freed_memory  # noqa: E402
@@ -1147,6 +1148,16 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
+def seed_pairs(runs: list[dict], tasks: list[str]) -> dict[str, dict]:
+    """Per task, seed_pairs.py's statistics of the seeds' first runs: each threshold's paired
+    steps and time ratios, and the time per step (empty pairs where TRL did not run)."""
+    out = {}
+    for task in tasks:
+        mine = [r for r in runs if r["task"] == task]
+        out[task] = {"thresholds": by_threshold(mine, list(THRESHOLDS)), "s_per_step_ratio": per_step(mine)}
+    return out
+
+
 def run_label(row: dict) -> str:
     """A seed, with the repeat where there are repeats: "4", "4 #2"."""
     return f"{row['seed']} #{row['repeat']}" if row.get("repeat") else str(row["seed"])
@@ -1352,11 +1363,16 @@ def main() -> None:
 def report(args, params: int, bound: dict, runs: list[dict], console: Console) -> None:
     summary = summarize(runs, args.tasks, args.seeds)
     bound_rows = against_bound(runs, bound)
+    pairs = seed_pairs(runs, args.tasks)
     for table in (
         runs_table(runs),
         phases_table(runs, step_batch(args.group)),
         cpu_table(runs),
         summary_table(summary),
+        *(
+            pairs_table(f"{task}: Sluice / TRL seed by seed (first runs)", p["thresholds"])
+            for task, p in pairs.items()
+        ),
         against_bound_table(bound_rows),
     ):
         console.print(table)
@@ -1377,6 +1393,7 @@ def report(args, params: int, bound: dict, runs: list[dict], console: Console) -
         "sluice_vs_bound": bound_rows,
         "runs": runs,
         "summary": summary,
+        "seed_pairs": pairs,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "vs_trl.json").write_text(json.dumps(result, indent=2, default=str))

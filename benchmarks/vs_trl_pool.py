@@ -11,15 +11,11 @@ counted; a seed in two files is refused) and reports, per task, over all the see
 - vs_trl's own summary (`vs_trl.summarize`) of the pooled runs: the time ratio seed by seed,
   on how many seeds Sluice was faster, the censored medians, and whether Sluice's share of runs
   at the threshold was at least TRL's at every wall time;
-- per threshold (0.5, 0.7, 0.9): on how many seeds each system reached it, and over the seeds
-  where both did, Sluice/TRL in steps and in time: on how many seeds Sluice took more, the sign
-  test's two-sided p (`scipy.stats.binomtest`; ties left out), the geometric mean of the ratios
-  with a 95% bootstrap interval (`scipy.stats.bootstrap`, BCa, a fixed seed) and their median.
-  The copy task's plateau sits at 0.75, so 0.5 and 0.7 compare the climb without its lottery;
+- per threshold (0.5, 0.7, 0.9), seed_pairs.py's statistics: the seeds each system reached it on,
+  and over the seeds both did, Sluice/TRL in steps and in time (a sign test; the geometric mean
+  with a 95% bootstrap interval). The copy task's plateau sits at 0.75, so 0.5 and 0.7 compare
+  the climb without its lottery;
 - the time per step, Sluice/TRL seed by seed (median and range).
-
-scipy, not hand-written tests and resampling: it is the reference implementation, and it comes
-with the benchmark extra (scripts/setup_bench.sh) that vs_trl.py needs anyway.
 
     .venv/bin/python benchmarks/vs_trl_pool.py RESULT [RESULT ...] [--out DIR]
 
@@ -33,19 +29,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vs_trl  # noqa: E402
+from seed_pairs import SYSTEMS, by_threshold, pairs_table, per_step  # noqa: E402
 
-SYSTEMS = ("sluice", "trl")
 COLORS = {"sluice": "tab:blue", "trl": "tab:orange"}
 # What a run trained on and how it was judged: results that differ in any of these do not pool.
 # Left out on purpose: `max_steps` (since the thirteenth pass the budget ends both systems' runs
@@ -56,7 +50,6 @@ SAME_WORKLOAD = (
     "model_init", "task_length", "prompts", "group", "batch", "max_new_tokens", "lr", "temperature",
     "stop_at", "window", "thresholds", "budget_s", "sluice_config", "sluice_overrides", "trl_threads",
 )  # fmt: skip
-BOOTSTRAP_SEED = 0
 
 
 class PoolError(ValueError):
@@ -114,69 +107,6 @@ def first_runs(results: list[tuple[Path, dict]]) -> tuple[list[dict], int]:
     return runs, left_out
 
 
-def paired(pairs: list[tuple[float, float]]) -> dict:
-    """Sluice/TRL over seeds, each pair (sluice, trl): the module docstring's statistics."""
-    from scipy import stats
-
-    if not pairs:
-        return {"seeds": 0}
-    logs = np.log([s / t for s, t in pairs])
-    more, fewer = int((logs > 0).sum()), int((logs < 0).sum())
-    interval = None
-    if len(logs) >= 3 and np.ptp(logs) > 0:
-        ci = stats.bootstrap(
-            (logs,), np.mean, method="BCa", rng=np.random.default_rng(BOOTSTRAP_SEED)
-        ).confidence_interval
-        if np.isfinite([ci.low, ci.high]).all():  # BCa gives NaN where the resamples degenerate
-            interval = [float(np.exp(ci.low)), float(np.exp(ci.high))]
-    return {
-        "seeds": len(pairs), "sluice_more": more, "sluice_fewer": fewer,
-        "sign_p": float(stats.binomtest(more, more + fewer).pvalue) if more + fewer else None,
-        "geomean_ratio": float(np.exp(logs.mean())), "geomean_95": interval,
-        "median_ratio": float(np.exp(np.median(logs))),
-    }  # fmt: skip
-
-
-def by_threshold(runs: list[dict], thresholds: list[float]) -> dict[str, dict]:
-    """Per threshold: seeds reached by each system, their median steps, and the paired ratios
-    over the seeds both reached (one task's runs)."""
-    of = {(r["seed"], r["system"]): r for r in runs}
-    seeds = sorted({r["seed"] for r in runs})
-    out = {}
-    for thr in map(str, thresholds):
-        cross = {
-            system: {s: c for s in seeds if (r := of.get((s, system))) and (c := r["crossings"].get(thr))}
-            for system in SYSTEMS
-        }
-        both = [s for s in seeds if s in cross["sluice"] and s in cross["trl"]]
-        out[thr] = {
-            "runs": {system: sum((s, system) in of for s in seeds) for system in SYSTEMS},
-            "reached": {system: len(cross[system]) for system in SYSTEMS},
-            "median_steps": {
-                system: statistics.median(c["step"] for c in cross[system].values())
-                if cross[system]
-                else None
-                for system in SYSTEMS
-            },
-            "steps": paired([(cross["sluice"][s]["step"], cross["trl"][s]["step"]) for s in both]),
-            "time": paired([(cross["sluice"][s]["time_s"], cross["trl"][s]["time_s"]) for s in both]),
-        }
-    return out
-
-
-def per_step(runs: list[dict]) -> dict:
-    """Sluice's time per step over TRL's, seed by seed (each run's clock / steps to its stop)."""
-    of = {(r["seed"], r["system"]): r for r in runs}
-    ratios = sorted(
-        of[(s, "sluice")]["s_per_step"] / of[(s, "trl")]["s_per_step"]
-        for s in sorted({r["seed"] for r in runs})
-        if all(of.get((s, system), {}).get("s_per_step") for system in SYSTEMS)
-    )
-    if not ratios:
-        return {"seeds": 0}
-    return {"seeds": len(ratios), "median": statistics.median(ratios), "min": ratios[0], "max": ratios[-1]}
-
-
 def pool_task(runs: list[dict], task: str, thresholds: list[float]) -> dict:
     """Everything the module docstring lists, for one task's pooled runs."""
     mine = [r for r in runs if r["task"] == task]
@@ -219,34 +149,11 @@ def pool(results: list[tuple[Path, dict]]) -> dict:
 # -- report ------------------------------------------------------------------------------------
 
 
-def ratio_cell(p: dict) -> str:
-    """'1.06 [0.98, 1.15], median 1.10; more on 30 of 50 (p 0.20)'."""
-    if not p["seeds"]:
-        return "-"
-    ci = p["geomean_95"]
-    band = f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
-    sign = "-" if p["sign_p"] is None else f"{p['sign_p']:.2g}"
-    return (
-        f"{p['geomean_ratio']:.2f}{band}, median {p['median_ratio']:.2f}; "
-        f"more on {p['sluice_more']} of {p['seeds']} (p {sign})"
-    )
-
-
 def task_table(task: str, pooled: dict) -> Table:
     n = len(pooled["seeds"])
-    table = Table(title=f"{task}: Sluice / TRL over {n} seeds (each system's first run of each)")
-    for col in (
-        "threshold",
-        "reached (S / T)",
-        "median steps (S / T)",
-        "steps: Sluice/TRL",
-        "time: Sluice/TRL",
-    ):
-        table.add_column(col)
-    for thr, t in pooled["thresholds"].items():
-        reached = f"{t['reached']['sluice']} / {t['reached']['trl']}"
-        steps = " / ".join(vs_trl.fmt(t["median_steps"][s], ".0f") for s in SYSTEMS)
-        table.add_row(thr, reached, steps, ratio_cell(t["steps"]), ratio_cell(t["time"]))
+    table = pairs_table(
+        f"{task}: Sluice / TRL over {n} seeds (each system's first run of each)", pooled["thresholds"]
+    )
     s, step = pooled["summary"], pooled["s_per_step_ratio"]
     table.add_section()
     table.add_row("time ratio", f"median {vs_trl.fmt(s['median_time_ratio'], '.2f')}", "", "", "")

@@ -329,6 +329,8 @@ def test_quick_sluice_and_bound(tmp_path):
     # the run is set against the bound measured around it: the mean of before and after
     assert run["bound_before_s"] > 0 and run["bound_after_s"] > 0
     assert vs_bound["bound_s_per_step"] == (run["bound_before_s"] + run["bound_after_s"]) / 2
+    # without TRL's runs there is nothing to pair (and scipy is not needed)
+    assert data["seed_pairs"]["copy"]["thresholds"]["0.9"]["steps"] == {"seeds": 0}
 
 
 @pytest.mark.slow
@@ -341,3 +343,4 @@ def test_quick_with_trl(tmp_path):
     trl = next(r for r in data["runs"] if r["system"] == "trl")
     assert set(trl["phases"]["trainer"]) == {"generate_s", "train_s", "optim_s", "step_s"}
     assert all(v > 0 for v in trl["phases"]["trainer"].values())
+    assert data["seed_pairs"]["copy"]["s_per_step_ratio"]["seeds"] == 1

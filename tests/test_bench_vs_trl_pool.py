@@ -1,4 +1,5 @@
-"""benchmarks/vs_trl_pool.py: pooled ratios and tests against hand-computed numbers, and the
+"""benchmarks/vs_trl_pool.py and the seed-by-seed statistics it shares with vs_trl.py
+(benchmarks/seed_pairs.py): pooled ratios and tests against hand-computed numbers, and the
 results it refuses (another workload, a seed twice, a smoke run, a file that is not a result)."""
 
 from __future__ import annotations
@@ -98,6 +99,16 @@ def test_repeats_past_the_first_are_left_out_and_counted(pool_mod, tmp_path):
     result = write_result(tmp_path / "a", seed_runs(1) + [seed_runs(1, repeat=1)[0]] + seed_runs(2))
     pooled = pool_mod.pool(pool_mod.load_results([result]))
     assert pooled["repeats_left_out"] == 1 and len(pooled["runs"]) == 4
+
+
+def test_seed_pairs_take_each_seeds_first_run(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import seed_pairs
+
+    later = run("sluice", 1, {"0.5": 10, "0.7": 10, "0.9": 10}, repeat=1)  # a lucky repeat, left out
+    stop = seed_pairs.by_threshold([later, *seed_runs(1)], [0.9])["0.9"]
+    assert stop["runs"] == {"sluice": 1, "trl": 1} and stop["steps"]["geomean_ratio"] == 2.0
+    assert seed_pairs.paired([]) == {"seeds": 0}
 
 
 def test_another_workload_is_refused_naming_the_field_and_both_files(pool_mod, tmp_path):
