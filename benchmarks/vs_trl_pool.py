@@ -162,7 +162,7 @@ def task_table(task: str, pooled: dict) -> Table:
         f"neither reached: {pooled['neither_reached']}", "", "",
     )  # fmt: skip
     ahead = {True: "yes", False: "no", None: "-"}[s["sluice_ahead_at_every_time"]]
-    table.add_row("ahead", f"Sluice's share at {vs_trl.STOP_AT} >= TRL's at every time: {ahead}", "", "", "")
+    table.add_row(f"share at {vs_trl.STOP_AT}", f"Sluice >= TRL always: {ahead}", "", "", "")
     if step["seeds"]:
         span = f"median {step['median']:.2f} ({step['min']:.2f}-{step['max']:.2f})"
         table.add_row("s / step", span, "", "", "")

@@ -143,7 +143,7 @@ def test_what_is_not_a_measurement_is_refused(pool_mod, tmp_path):
 def test_the_command_writes_its_json_and_png_and_exits_2_on_a_refusal(tmp_path):
     out = tmp_path / "out"
     proc = run_script(["benchmarks/vs_trl_pool.py", *map(str, two_passes(tmp_path)), "--out", str(out)])
-    assert "Sluice 2, TRL 2" in proc.stdout and ">= TRL's at every time: no" in proc.stdout
+    assert "Sluice 2, TRL 2" in proc.stdout and "Sluice >= TRL always: no" in proc.stdout
     written = json.loads((out / "vs_trl_pool.json").read_text())
     assert written["tasks"]["copy"]["seeds"] == [1, 2, 3, 4, 5] and len(written["sources"]) == 2
     assert (out / "vs_trl_pool.png").stat().st_size > 10_000

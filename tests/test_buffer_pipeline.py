@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers.groups import make_group
+from helpers.groups import byte_of, make_group
 from helpers.wait import wait_until
 
 from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
@@ -20,7 +20,7 @@ TRANSPORTS = ["zmq", "shm"]
 
 def group(gid: str, size: int = 2) -> list[Trajectory]:
     """8 KiB per trajectory, every byte a function of the group id (checked by `drain`)."""
-    return make_group(gid, size, nbytes=8 << 10, dtype=np.uint8, fill=hash(gid) % 251)
+    return make_group(gid, size, nbytes=8 << 10, dtype=np.uint8, fill=byte_of(gid))
 
 
 def drain(client: BufferClient) -> list[str]:
@@ -34,7 +34,7 @@ def drain(client: BufferClient) -> list[str]:
         if not batch.trajs:
             return got
         for t in batch.trajs:
-            assert (t.arrays["x"] == hash(t.group_id) % 251).all()
+            assert (t.arrays["x"] == byte_of(t.group_id)).all()
         got += [t.traj_id for t in batch.trajs]
         used = batch
 

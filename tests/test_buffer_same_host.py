@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.groups import group_of, make_group
+from helpers.groups import byte_of, group_of, make_group
 from helpers.wait import wait_until
 
 from sluice.buffer import same_host
@@ -51,7 +51,7 @@ def rich_group(gid: str, size: int, seed: int, version: int = 0) -> list[Traject
 
 def big_group(gid: str, nbytes: int = 16 << 10, size: int = 1, fill: int | None = None) -> list[Trajectory]:
     """One byte value throughout (`fill`, default a function of the group id)."""
-    fill = hash(gid) % 251 if fill is None else fill % 251
+    fill = byte_of(gid) if fill is None else fill % 251
     return make_group(gid, size, nbytes=nbytes, dtype=np.uint8, fill=fill)
 
 
@@ -293,7 +293,7 @@ def test_a_producer_killed_mid_write_never_yields_a_corrupt_trajectory(shard_fac
 
 def test_a_put_whose_region_does_not_hold_what_it_claims_stores_nothing(shard_factory):
     shard = shard_factory()
-    traj = big_group("g", nbytes=1 << 16)[0]
+    traj = big_group("g", nbytes=1 << 16, fill=7)[0]  # never the garbage's zeros
     meta, frames = traj.to_wire()
     with BufferClient([shard.endpoint], timeout_s=10) as client:
         assert client.ping()

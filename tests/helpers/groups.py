@@ -3,12 +3,19 @@ buffer tests) and `group_of` (the arrays a test made itself, e.g. an LLM sample'
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from sluice.trajectory import Trajectory
+
+
+def byte_of(gid: str) -> int:
+    """A byte value (0-250) that is a function of a group id, the same in every process and run
+    (CRC-32, not `hash`, whose per-process salt changed it from run to run)."""
+    return zlib.crc32(gid.encode()) % 251
 
 
 def make_group(
