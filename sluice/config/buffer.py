@@ -23,7 +23,8 @@ class ReplayConfig(Section):
 
 class BufferConfig(Section):
     shards: int = Field(default=1, ge=1)
-    """Number of shard servers; groups are placed by hash(group_id) % shards."""
+    """Number of shard servers. A group goes to its home shard, xxh64(group_id) % shards, or
+    while that one is down to the next up in an order of its own (buffer/placement.py)."""
     mode: Literal["fifo", "replay"] = "fifo"
     """fifo: consume-once under leases (ACK deletes, lease timeout or NACK redelivers).
     replay: bounded ring (oldest evicted first), sampled with replacement (SAMPLE/PRIORITY)."""
