@@ -153,7 +153,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1148,13 +1148,15 @@ def summary_table(summary: dict) -> Table:
     return table
 
 
-def seed_pairs(runs: list[dict], tasks: list[str]) -> dict[str, dict]:
+def seed_pairs(
+    runs: list[dict], tasks: list[str], thresholds: Sequence[float] = THRESHOLDS
+) -> dict[str, dict]:
     """Per task, seed_pairs.py's statistics of the seeds' first runs: each threshold's paired
     steps and time ratios, and the time per step (empty pairs where TRL did not run)."""
     out = {}
     for task in tasks:
         mine = [r for r in runs if r["task"] == task]
-        out[task] = {"thresholds": by_threshold(mine, list(THRESHOLDS)), "s_per_step_ratio": per_step(mine)}
+        out[task] = {"thresholds": by_threshold(mine, list(thresholds)), "s_per_step_ratio": per_step(mine)}
     return out
 
 

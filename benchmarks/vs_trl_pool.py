@@ -38,7 +38,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vs_trl  # noqa: E402
-from seed_pairs import SYSTEMS, by_threshold, pairs_table, per_step  # noqa: E402
+from seed_pairs import SYSTEMS, pairs_table  # noqa: E402
 
 COLORS = {"sluice": "tab:blue", "trl": "tab:orange"}
 # What a run trained on and how it was judged: results that differ in any of these do not pool.
@@ -120,8 +120,7 @@ def pool_task(runs: list[dict], task: str, thresholds: list[float]) -> dict:
         "trl_faster_on": sum(x > 1 for x in verdicts),
         "neither_reached": len(rows) - len(verdicts),
         "summary": summary,
-        "thresholds": by_threshold(mine, thresholds),
-        "s_per_step_ratio": per_step(mine),
+        **vs_trl.seed_pairs(mine, [task], thresholds)[task],
     }
 
 
