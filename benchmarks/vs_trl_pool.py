@@ -138,7 +138,7 @@ def pool(results: list[tuple[Path, dict]]) -> dict:
                 "max_steps": data["workload"].get("max_steps"),
             }
             for path, data in results
-        ],  # fmt: skip
+        ],
         "repeats_left_out": left_out,
         "tasks": {task: pool_task(runs, task, workload["thresholds"]) for task in tasks},
         "runs": runs,
