@@ -950,6 +950,15 @@ def faster_on_all(rows: list[dict]) -> bool:
     return bool(rows) and len(ratios) == len(rows) and all(x < 1 for x in ratios)
 
 
+def faster_counts(rows: list[dict]) -> dict[str, int]:
+    """Over the rows with runs of both systems: on how many Sluice was faster, on how many TRL
+    was (the verdicts `faster_on_all` reads), and on how many neither reached the threshold."""
+    both = [r for r in rows if "sluice" in r and "trl" in r]
+    ratios = [against_sluice(r, "time_ratio") for r in both if "time_ratio" in r]
+    return {"sluice_faster_on": sum(x < 1 for x in ratios), "trl_faster_on": sum(x > 1 for x in ratios),
+            "neither_reached": len(both) - len(ratios)}  # fmt: skip
+
+
 def against_sluice(row: dict, key: str) -> float:
     """A seed's Sluice/TRL ratio as the medians and the verdict take it: a lower bound (Sluice
     stopped short, TRL did not) counts as larger than any ratio."""

@@ -38,7 +38,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import vs_trl  # noqa: E402
-from seed_pairs import SYSTEMS, pairs_table  # noqa: E402
+from seed_pairs import SYSTEMS, first_runs_of, pairs_table  # noqa: E402
 
 COLORS = {"sluice": "tab:blue", "trl": "tab:orange"}
 # What a run trained on and how it was judged: results that differ in any of these do not pool.
@@ -93,10 +93,9 @@ def first_runs(results: list[tuple[Path, dict]]) -> tuple[list[dict], int]:
     seen: dict[tuple, Path] = {}
     left_out = 0
     for path, data in results:
-        for r in data["runs"]:
-            if r.get("repeat", 0):
-                left_out += 1
-                continue
+        firsts = first_runs_of(data["runs"])
+        left_out += len(data["runs"]) - len(firsts)
+        for r in firsts:
             key = (r["task"], r["seed"], r["system"])
             if key in seen:
                 raise PoolError(
@@ -112,13 +111,9 @@ def pool_task(runs: list[dict], task: str, thresholds: list[float]) -> dict:
     mine = [r for r in runs if r["task"] == task]
     seeds = sorted({r["seed"] for r in mine})
     summary = vs_trl.summarize(mine, [task], seeds)[task]
-    rows = [row for row in summary["per_seed"] if "sluice" in row and "trl" in row]
-    verdicts = [vs_trl.against_sluice(row, "time_ratio") for row in rows if "time_ratio" in row]
     return {
         "seeds": seeds,
-        "sluice_faster_on": sum(x < 1 for x in verdicts),
-        "trl_faster_on": sum(x > 1 for x in verdicts),
-        "neither_reached": len(rows) - len(verdicts),
+        **vs_trl.faster_counts(summary["per_seed"]),
         "summary": summary,
         **vs_trl.seed_pairs(mine, [task], thresholds)[task],
     }
