@@ -15,13 +15,16 @@ applies while running when an ACK finds its lease expired (a step slower than th
 to an id that comes back while the step that consumed it waits for its checkpoint (a shard that
 restarted requeued it: its ACK has not yet found the lease gone).
 Leases that were only prefetched (not trained) at a crash simply expire and are redelivered.
+A step leased on a shard that is down stays pending (`split_reachable`): its ACK waits for the
+shard to be back, and every checkpoint lists it meanwhile (docs/architecture.md, "Checkpoints and
+exactly-once").
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
@@ -64,14 +67,26 @@ class LeaseLedger:
             StepLeases(list(leased.leases), [t.traj_id for t in leased.trajs], skipped, leased_at)
         )
 
-    def oldest_age(self, now: float | None = None) -> float:
-        if not self.pending:
-            return 0.0
-        return (now if now is not None else time.monotonic()) - self.pending[0].leased_at
+    def oldest_age(self, now: float | None = None, reachable: Callable[[int], bool] | None = None) -> float:
+        """How long ago the oldest pending step leased its batch. With `reachable` (a shard's
+        index: whether it is up), only steps whose shards are all up count: one on a shard
+        that is down cannot be ACKed however old it is, so a checkpoint for it would do nothing."""
+        up = {k: reachable(k) for k in self.pending_shards()} if reachable is not None else {}
+        ages = [s.leased_at for s in self.pending if all(up.get(k, True) for k, _ in s.leases)]
+        return (now if now is not None else time.monotonic()) - min(ages) if ages else 0.0
+
+    def pending_shards(self) -> set[int]:
+        """The shards that hold the pending steps' leases."""
+        return {k for step in self.pending for k, _ in step.leases}
 
     def settle(self, client: BufferClient) -> tuple[int, list[str]]:
-        """ACK every pending lease. Returns (trajectories ACKed, ids newly added to skip_ids)."""
-        steps = self.detach()
+        """ACK every pending lease whose shard is up (`split_reachable`). A step with a lease
+        on a shard that is down stays pending: its ACK would be retried until the shard came
+        back (the client's `timeout_s`), and for a shard down for good it never would. The
+        checkpoint that holds the step lists it, so a resume ACKs it. Returns (trajectories
+        ACKed, ids newly added to skip_ids)."""
+        steps, self.pending = split_reachable(client, self.pending)
+        self.in_flight.extend(steps)
         try:
             acks = ack_steps(client, steps)
         except BaseException:
@@ -130,6 +145,18 @@ class LeaseLedger:
             for s in state.get("pending", [])
         ]
         return cls(pending=pending, skip_ids=set(state.get("skip_ids", [])))
+
+
+def split_reachable(
+    client: BufferClient, steps: list[StepLeases]
+) -> tuple[list[StepLeases], list[StepLeases]]:
+    """(steps whose every lease's shard is up now, the others). An ACK to a shard that is down
+    would be retried until it came back (the client's `timeout_s`), and a GET that carried it
+    with it: a batch would wait for the restart of a shard it needs nothing from, a checkpoint
+    for one that may never come back."""
+    down = {k for k in {k for step in steps for k, _ in step.leases} if not client.reachable(k)}
+    ride = [step for step in steps if down.isdisjoint(k for k, _ in step.leases)]
+    return ride, [step for step in steps if not down.isdisjoint(k for k, _ in step.leases)]
 
 
 def ack_steps(client: BufferClient, steps: Sequence[StepLeases]) -> list[tuple[int, bool]]:

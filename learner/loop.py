@@ -23,6 +23,7 @@ import torch
 
 from sluice.buffer.client import BufferClient
 from sluice.buffer.holder import Holder
+from sluice.buffer.placement import ShardUnavailable
 from sluice.config.policy import checkpoint_root, policy_view, role_suffix
 from sluice.config.run import RunConfig
 from sluice.control.admission import AdmissionPolicy
@@ -270,7 +271,7 @@ class Learner:
             self.source.request(next_version, self.ledger.detach() if lc.checkpoint_every == 0 else [])
         due = lc.checkpoint_every > 0 and (
             (bool(trainable) and next_version % lc.checkpoint_every == 0)
-            or self.ledger.oldest_age() > self.cfg.buffer.lease_timeout_s / 2
+            or self.ledger.oldest_age(reachable=self.buffer.reachable) > self.cfg.buffer.lease_timeout_s / 2
         )
         step = StepBatch(
             local=None,
@@ -342,10 +343,26 @@ class Learner:
     def _ack_trained(self) -> list[str]:
         """ACK the ledger's leases, those sent on a GET whose batch never came back too (ACK
         is idempotent). Ids whose lease was gone are charged again, as in `_settled`. Returns
-        those ids."""
+        those ids. A step leased on a shard that is down, or that did not answer within the
+        client's timeout, stays pending (`LeaseLedger.settle`): the checkpoint just written
+        lists it, and the run goes on from the other shards."""
         self.ledger.undo(list(self.ledger.in_flight))
-        lost = self.ledger.settle(self.buffer)[1]
+        try:
+            lost = self.ledger.settle(self.buffer)[1]
+        except ShardUnavailable as e:
+            log.warning("v%d: ACKs not answered, their steps stay pending: %s", self.version, e)
+            lost = []
         self.control.charge(len(lost))
+        if self.ledger.pending:
+            shards = self.ledger.pending_shards()
+            down = sorted(k for k in shards if not self.buffer.reachable(k)) or sorted(shards)
+            log.warning(
+                "v%d: %d trained steps wait for shard %s to ACK their leases (down or not "
+                "answering); every checkpoint lists them, so a resume ACKs them",
+                self.version,
+                len(self.ledger.pending),
+                ", ".join(map(str, down)),
+            )
         return lost
 
     def publish_weights(self) -> float:

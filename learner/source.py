@@ -46,7 +46,7 @@ from sluice.buffer.client import BufferClient, BufferError, LeasedBatch
 from sluice.buffer.holder import Holder
 from sluice.buffer.placement import ShardUnavailable
 from sluice.config.learner import LearnerConfig
-from sluice.learner.leases import StepLeases, ack_steps
+from sluice.learner.leases import StepLeases, ack_steps, split_reachable
 from sluice.trajectory import Trajectory
 
 
@@ -71,17 +71,6 @@ class FetchedBatch:
         """The batch itself: trajectories not newer than the version that consumes it (the
         complement of `lost_lineage`)."""
         return [t for t in self.leased.trajs if t.version <= self.version]
-
-
-def split_reachable(
-    client: BufferClient, settle: list[StepLeases]
-) -> tuple[list[StepLeases], list[StepLeases]]:
-    """(steps whose every lease's shard is up now, the others). An ACK to a shard that is down
-    would be retried until it came back (the client's `timeout_s`), and the GET with it: the
-    batch would wait for the restart of a shard it needs nothing from."""
-    down = {k for k in {k for step in settle for k, _ in step.leases} if not client.reachable(k)}
-    ride = [step for step in settle if down.isdisjoint(k for k, _ in step.leases)]
-    return ride, [step for step in settle if not down.isdisjoint(k for k, _ in step.leases)]
 
 
 def newer_than(trajs: list[Trajectory], version: int) -> int:

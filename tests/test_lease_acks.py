@@ -222,3 +222,25 @@ def test_a_shard_that_dies_after_the_check_defers_its_step_all_the_same(shard_fa
         assert fetched.ack_outcomes == [(GROUP, True)]
         assert [s.traj_ids for s in fetched.deferred] == [run.steps[1]]
         assert fetched.gets == 2  # the one that failed, then the batch
+
+
+def test_a_checkpoints_acks_keep_a_step_on_a_shard_that_is_down_pending(shard_factory):
+    """What a learner's checkpoint ACKs (`LeaseLedger.settle`) with one of two shards down: the
+    step leased on the live shard is ACKed, the one on the dead shard stays pending (its ids
+    held) and no longer counts toward the age that makes a checkpoint due; once the shard is
+    back, the next settle finds its lease gone (not durable) and skips the ids. Before, the ACK
+    was retried for the client's timeout (30 s), then raised, and the learner failed."""
+    with one_step_on_each_of_two_shards(shard_factory, prefetch=False) as run:
+        client, ledger = run.source._client, run.ledger
+        assert client is not None
+        wait_until(lambda: not client.reachable(1), 10, "the lost connection seen")
+        assert ledger.settle(client) == (GROUP, [])  # (before: ShardUnavailable after 30 s)
+        assert [s.traj_ids for s in ledger.pending] == [run.steps[1]] and ledger.in_flight == []
+        assert ledger.pending_ids() == set(run.steps[1]) and ledger.pending_shards() == {1}
+        now = time.monotonic()
+        assert ledger.oldest_age(now) == now  # (the fixture leased both at time 0)
+        assert ledger.oldest_age(now, reachable=client.reachable) == 0.0
+        run.dead.start()
+        wait_until(lambda: client.reachable(1), 10, "the connection back")
+        assert ledger.settle(client) == (0, run.steps[1])
+        assert ledger.pending == [] and set(run.steps[1]) <= ledger.skip_ids
