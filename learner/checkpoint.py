@@ -10,7 +10,9 @@ Layout of `<run dir>/checkpoints[-<policy>]/step_<version>/`:
     rng_rank<r>.pt                                     torch, numpy, python and shuffle RNGs of rank r
     trainer_state.json                                 version, totals, returns window, the
                                                        leases trained since the previous checkpoint
-    acked.json                                         written once those leases are ACKed
+    acked.json                                         written once those leases are ACKed: the
+                                                       skip set then, and the steps still pending
+                                                       (leased on a shard that was down)
 A checkpoint is written into a temporary directory and renamed (complete or absent); `latest`
 links to the newest. `keep_checkpoints` newest are kept.
 """
@@ -62,11 +64,13 @@ def save_checkpoint(
     return final
 
 
-def mark_acked(checkpoint: Path, skip_ids: list[str]) -> None:
-    """The leases listed in the checkpoint are settled; `skip_ids` is the skip set after that
-    (ids whose lease was gone at the ACK: never to be trained again)."""
+def mark_acked(checkpoint: Path, ledger: dict[str, Any]) -> None:
+    """The leases listed in the checkpoint are settled, as far as their shards were up:
+    `ledger` is the ledger's state after the ACKs (`LeaseLedger.state_dict`: the steps still
+    pending, their shard down, and the skip set: ids whose lease was gone at the ACK, never to
+    be trained again)."""
     tmp = checkpoint / ".acked.json.tmp"
-    tmp.write_text(json.dumps({"skip_ids": skip_ids}))
+    tmp.write_text(json.dumps(ledger))
     os.replace(tmp, checkpoint / "acked.json")
 
 

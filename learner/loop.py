@@ -175,10 +175,10 @@ class Learner:
         """The checkpoint lists the leases trained since the one before; ACK them unless the
         previous life did (acked.json), and never train again on those that were lost."""
         acked = state.get("acked")
-        if acked is not None:
-            self.ledger.pending.clear()
-            self.ledger.skip_ids.update(acked["skip_ids"])
-            return
+        if acked is not None:  # (its pending steps: those whose shard was down then)
+            self.ledger = LeaseLedger.from_state({"skip_ids": [], **acked})
+            if not self.ledger.pending:
+                return
         n, lost = self.ledger.settle(self.buffer)
         log.info("resume: ACKed %d trajectories of the checkpoint's leases, %d ids to skip", n, len(lost))
 
@@ -399,7 +399,7 @@ class Learner:
         self.last_checkpoint = self.version
         if self.dist.is_main:
             lost = self._ack_trained()
-            mark_acked(path, sorted(self.ledger.skip_ids))
+            mark_acked(path, self.ledger.state_dict())
             log.info(
                 "checkpoint v%d -> %s in %.2f s%s",
                 self.version,
