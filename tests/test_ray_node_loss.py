@@ -112,7 +112,8 @@ def test_a_learner_and_shard_whose_node_dies_go_on_at_their_new_addresses(
         assert moved[role]["ports_held_by"] != placed[role]["ports_held_by"]  # a new keeper, on b
     # one group restart for both: the shard's move, handled first, restarts the group
     learner_restarts = [e for e in launcher_events(run_dir, "restarted") if e["role"] == "learner"]
-    assert len(learner_restarts) == 1, learner_restarts
+    checks = [line for line in log.read_text().splitlines() if "node check" in line or "died: asking" in line]
+    assert len(learner_restarts) == 1, (learner_restarts, checks)
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert config["control"]["host"] == config["weight_sync"]["master_addr"] == b.addr
     assert config["buffer"]["endpoints"][0].startswith(f"tcp://{b.addr}:")

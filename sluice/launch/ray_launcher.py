@@ -460,7 +460,12 @@ class RayLauncher:
                 f"[yellow]{', '.join(p.name for p in died)} died: asking "
                 f"{', '.join(p.name for _, p in others)} on the same node whether they are still there"
             )
-            ready = [*ready, *lost_with([(r, p.actor) for r, p in others], lambda actor: actor.node.remote())]
+
+            def say(line: str) -> None:
+                self.console.print(f"[yellow]{escape(line)}")
+
+            mates = [(p.name, r, p.actor) for r, p in others]
+            ready = [*ready, *lost_with(mates, lambda actor: actor.node.remote(), say)]
         return sorted(ready, key=lambda r: handling_rank(running[r].spec.kind))
 
     def _on_exit(self, p: Placed) -> int | None:

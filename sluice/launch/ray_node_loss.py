@@ -13,6 +13,7 @@ ended is handled shards first, then learners, then rollout services
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,18 +36,29 @@ def process_died(ref: Any) -> bool:
     return isinstance(_error(ref), RayActorError)
 
 
-def lost_with(mates: Sequence[tuple[Any, Any]], ping: Callable[[Any], Any]) -> list[Any]:
-    """The `run` refs of the `mates` (run ref, actor: the roles still running on the node of a
-    role whose process died) that do not answer `ping` (a call on their actor) within PING_S,
-    once they too have ended (each waited for at most NODE_LOSS_WAIT_S)."""
+def lost_with(
+    mates: Sequence[tuple[str, Any, Any]], ping: Callable[[Any], Any], say: Callable[[str], None]
+) -> list[Any]:
+    """The `run` refs of the `mates` (name, run ref, actor: the roles still running on the node
+    of a role whose process died) that do not answer `ping` (a call on their actor) within
+    PING_S, once they too have ended (each waited for at most NODE_LOSS_WAIT_S). `say` gets one
+    line on what each mate did: what decides whether a node loss is handled as one event."""
     import ray
 
-    pings = [ping(actor) for _, actor in mates]
+    started = time.monotonic()
+    pings = [ping(actor) for _, _, actor in mates]
     answered, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_S)
-    quiet = [ref for (ref, _), p in zip(mates, pings) if p not in answered or _error(p) is not None]
-    if not quiet:
-        return []
-    ended, _ = ray.wait(quiet, num_returns=len(quiet), timeout=NODE_LOSS_WAIT_S)
+    quiet, seen = [], []
+    for (name, ref, _), p in zip(mates, pings):
+        error = _error(p) if p in answered else None
+        if p in answered and error is None:
+            seen.append(f"{name} answered")
+            continue
+        quiet.append(ref)
+        seen.append(f"{name} {'failed: ' + type(error).__name__ if error else f'silent for {PING_S:g} s'}")
+    ended, _ = ray.wait(quiet, num_returns=len(quiet), timeout=NODE_LOSS_WAIT_S) if quiet else ([], [])
+    said = "; ".join(seen)
+    say(f"node check ({time.monotonic() - started:.1f} s): {said}; {len(ended)} of {len(quiet)} quiet ended")
     return ended
 
 
