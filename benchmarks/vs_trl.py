@@ -946,8 +946,7 @@ def seed_rows(runs: list[dict], task: str, seed: int) -> list[dict]:
 
 def faster_on_all(rows: list[dict]) -> bool:
     """Whether Sluice was faster than TRL in every row (a row with no verdict counts as not)."""
-    ratios = [against_sluice(r, "time_ratio") for r in rows if "time_ratio" in r]
-    return bool(rows) and len(ratios) == len(rows) and all(x < 1 for x in ratios)
+    return bool(rows) and faster_counts(rows)["sluice_faster_on"] == len(rows)
 
 
 def faster_counts(rows: list[dict]) -> dict[str, int]:
