@@ -176,7 +176,7 @@ class Learner:
         previous life did (acked.json), and never train again on those that were lost."""
         acked = state.get("acked")
         if acked is not None:  # (its pending steps: those whose shard was down then)
-            self.ledger = LeaseLedger.from_state({"skip_ids": [], **acked})
+            self.ledger = LeaseLedger.from_state(acked)
             if not self.ledger.pending:
                 return
         n, lost = self.ledger.settle(self.buffer)

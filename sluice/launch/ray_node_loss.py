@@ -50,12 +50,14 @@ def lost_with(
     answered, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_S)
     quiet, seen = [], []
     for (name, ref, _), p in zip(mates, pings):
-        error = _error(p) if p in answered else None
-        if p in answered and error is None:
+        if p not in answered:
+            seen.append(f"{name} silent for {PING_S:g} s")
+        elif (error := _error(p)) is not None:
+            seen.append(f"{name} failed: {type(error).__name__}")
+        else:
             seen.append(f"{name} answered")
             continue
         quiet.append(ref)
-        seen.append(f"{name} {'failed: ' + type(error).__name__ if error else f'silent for {PING_S:g} s'}")
     ended, _ = ray.wait(quiet, num_returns=len(quiet), timeout=NODE_LOSS_WAIT_S) if quiet else ([], [])
     said = "; ".join(seen)
     say(f"node check ({time.monotonic() - started:.1f} s): {said}; {len(ended)} of {len(quiet)} quiet ended")
